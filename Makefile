@@ -1,0 +1,38 @@
+# Set-up lives here so a fresh clone needs only `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build. DeepSpeed is an sdist built against it.
+TORCH := torch==2.13.0
+DEEPSPEED := deepspeed==0.19.8
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -r requirements.txt
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation $(DEEPSPEED)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: setup
+	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
+
+test: setup
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/extract.py
+	$(PY) benchmarks/train.py
+	$(PY) benchmarks/engines.py
+
+clean:
+	rm -rf .draftline .draftline-test

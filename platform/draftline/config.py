@@ -1,0 +1,359 @@
+"""The one typed configuration for every stage.
+
+A config is a YAML file validated by pydantic v2 (`extra="forbid"` everywhere), plus dotted overrides
+such as `train.lr=1e-4`. Errors name the file, the line (where YAML gives one), the field path and the fix.
+The resolved config is written beside each stage's output (see `write_resolved`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EmbeddedTargetConfig(Strict):
+    """The tiny real Llama that the embedded default builds for itself (no hub download)."""
+
+    num_layers: int = Field(8, ge=7, description="decoder layers; >= 7 so SGLang's default aux layers [2, n//2, n-3] are distinct")
+    hidden_size: int = Field(160, ge=32)
+    intermediate_size: int = Field(432, ge=32)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    vocab_size: int = Field(2048, ge=300, description="byte-level BPE vocabulary incl. special tokens")
+    max_position_embeddings: int = Field(512, ge=64)
+    corpus_max_bytes: int = Field(6_000_000, ge=10_000, description="stdlib text used for tokenizer + LM training")
+    train_steps: int = Field(400, ge=1)
+    train_batch_size: int = Field(16, ge=1)
+    train_seq_len: int = Field(128, ge=16)
+    train_lr: float = Field(3e-3, gt=0)
+    num_conversations: int = Field(600, ge=10, description="conversations written for the drafter, replies by the target")
+    reply_max_new_tokens: int = Field(64, ge=4)
+
+
+class TargetConfig(Strict):
+    kind: Literal["embedded", "hf"] = "embedded"
+    name: str = Field("tiny-llama", pattern=r"^[A-Za-z0-9._-]+$")
+    path: Optional[str] = Field(None, description="HF model directory or hub id (kind=hf)")
+    # Declared shape of the target; checked against the loaded config so production configs cannot drift.
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    embedded: EmbeddedTargetConfig = EmbeddedTargetConfig()
+
+    @model_validator(mode="after")
+    def _path_for_hf(self) -> "TargetConfig":
+        if self.kind == "hf" and not self.path:
+            raise ValueError("target.kind is 'hf' but target.path is empty: set target.path to a model directory or hub id")
+        return self
+
+
+class SplitConfig(Strict):
+    val_fraction: float = Field(0.1, ge=0, lt=1)
+    bench_fraction: float = Field(0.1, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _sum(self) -> "SplitConfig":
+        if self.val_fraction + self.bench_fraction >= 1:
+            raise ValueError("data.split: val_fraction + bench_fraction must be < 1 so some samples remain for training")
+        return self
+
+
+class DataConfig(Strict):
+    conversations: Optional[str] = Field(None, description="jsonl/parquet path; empty = the embedded target's own file")
+    format: Literal["auto", "openai", "sharegpt"] = "auto"
+    max_seq_len: int = Field(256, ge=8)
+    on_bad_input: Literal["skip", "fail"] = "skip"
+    over_length: Literal["truncate", "skip", "fail"] = Field(
+        "truncate", description="what to do with a sample longer than max_seq_len (truncate keeps the first tokens)"
+    )
+    split: SplitConfig = SplitConfig()
+    draft_vocab_size: int = Field(1024, ge=2)
+
+
+class ExtractConfig(Strict):
+    aux_layer_ids: Optional[list[int]] = Field(
+        None, description="layer-OUTPUT ids captured for EAGLE-3 (None = SGLang's default [1, n//2-1, n-4])"
+    )
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1, gt=0)
+    batch_size: int = Field(8, ge=1)
+    samples_per_shard: int = Field(64, ge=1)
+    storage_uri: Optional[str] = Field(None, description="where hidden states go; default <data_dir>/hidden")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_failures: int = Field(3, ge=0)
+
+
+class TrainConfig(Strict):
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1, gt=0)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    max_steps: int = Field(300, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length T")
+    ttt_decay: float = Field(0.8, gt=0, le=1, description="loss weight of step k is decay**k")
+    loss: Literal["soft", "hard"] = "soft"
+    val_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    max_failures: int = Field(3, ge=0)
+    num_attention_heads: Optional[int] = Field(None, description="drafter heads; default = target's")
+    intermediate_size: Optional[int] = Field(None, description="drafter MLP width; default = target's")
+
+
+class TrackingConfig(Strict):
+    tracking_uri: Optional[str] = Field(None, description="MLflow tracking URI; default sqlite:///<data_dir>/mlflow.db")
+    artifact_location: Optional[str] = Field(None, description="default <data_dir>/mlruns")
+    experiment: str = "draftline"
+    registered_model: Optional[str] = Field(None, description="default draftline-<target.name>")
+
+
+class SpeculativeConfig(Strict):
+    """SGLang's names. num_draft_tokens is the verify width (tokens the target checks per step)."""
+
+    algorithm: str = "EAGLE3"
+    num_steps: int = Field(3, ge=1)
+    eagle_topk: int = Field(1, ge=1)
+    num_draft_tokens: int = Field(4, ge=1)
+
+
+class SGLangConfig(Strict):
+    version: str = Field("0.5.23", description="SGLang version the rules and flags are checked for")
+    python: str = Field("python", description="interpreter that has sglang installed")
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1, le=65535)
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1)
+    attention_backend: Optional[str] = None
+    page_size: Optional[int] = Field(None, ge=1)
+    cuda_graph_max_bs: Optional[int] = Field(None, ge=1)
+    dtype: Optional[str] = None
+    extra_args: list[str] = Field(default_factory=list, description="appended verbatim, validated by the preflight")
+    startup_timeout_s: float = Field(900, gt=0)
+    max_restarts: int = Field(3, ge=0)
+
+
+class EngineConfig(Strict):
+    backend: Literal["reference", "sglang"] = "reference"
+    device: str = "cpu"
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    sglang: SGLangConfig = SGLangConfig()
+
+
+class BenchConfig(Strict):
+    prompts: Optional[str] = Field(None, description="jsonl of prompts/messages; default = the bench split")
+    num_prompts: int = Field(24, ge=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4])
+    max_new_tokens: int = Field(48, ge=1)
+    sweep: bool = False
+    sweep_grid: list[tuple[int, int, int]] = Field(
+        default_factory=lambda: [(2, 1, 3), (3, 1, 4), (5, 1, 6), (3, 2, 6)],
+        description="(num_steps, eagle_topk, num_draft_tokens) tried by --sweep",
+    )
+
+
+class GateConfig(Strict):
+    min_accept_len: float = Field(1.8, ge=1)
+    min_speedup: float = Field(1.0, gt=0)
+    require_lossless: bool = True
+    champion_margin: float = Field(0.0, description="candidate accept length must exceed champion's by this much")
+    max_p99_latency_ratio: float = Field(1.5, gt=0, description="candidate p99 ITL / champion p99 ITL upper bound")
+
+
+class ServeConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    cpus_per_replica: float = Field(1, gt=0)
+    gpus_per_replica: float = Field(0, ge=0)
+    max_ongoing_requests: int = Field(8, ge=1)
+    max_queued_requests: int = Field(16, ge=-1)
+    max_tokens_limit: int = Field(256, ge=1)
+    auth_token_env: str = Field("DRAFTLINE_API_TOKEN", description="env var holding a bearer token; unset = no auth")
+    watch_interval_s: float = Field(0, ge=0, description=">0: poll the registry alias and roll on change")
+    retry_after_s: float = Field(1, ge=0, description="Retry-After seconds sent with a 503 when replicas are full")
+    ingress_cpus_per_replica: float = Field(0.25, gt=0, description="CPUs of the HTTP ingress replica")
+    allow_target_only: bool = Field(
+        True, description="serve the target alone (model version 'target-only') when the registry has no champion"
+    )
+    drain_timeout_s: float = Field(60, gt=0, description="how long a replaced engine may finish its in-flight requests")
+    max_surge_percent: int = Field(
+        100, ge=0, le=100, description="extra engine replicas Serve may start so old ones serve until new ones are up"
+    )
+    rollout_timeout_s: float = Field(600, gt=0, description="roll_to_champion waits this long for every replica")
+
+
+class RayConfig(Strict):
+    address: Optional[str] = Field(None, description="None = RAY_ADDRESS or a local Ray started by the job")
+    num_cpus: Optional[int] = None
+
+
+class DraftlineConfig(Strict):
+    name: str = "tiny-cpu"
+    data_dir: str = "./.draftline"
+    seed: int = 0
+    target: TargetConfig = TargetConfig()
+    data: DataConfig = DataConfig()
+    extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    engine: EngineConfig = EngineConfig()
+    bench: BenchConfig = BenchConfig()
+    gate: GateConfig = GateConfig()
+    serve: ServeConfig = ServeConfig()
+    ray: RayConfig = RayConfig()
+
+    # Derived locations (DESIGN.md "Data dir").
+    def data_path(self, *parts: str) -> Path:
+        return Path(self.data_dir).expanduser().resolve().joinpath(*parts)
+
+    @property
+    def registered_model_name(self) -> str:
+        return self.tracking.registered_model or f"draftline-{self.target.name}"
+
+    @property
+    def mlflow_tracking_uri(self) -> str:
+        return self.tracking.tracking_uri or f"sqlite:///{self.data_path('mlflow.db')}"
+
+    @property
+    def mlflow_artifact_location(self) -> str:
+        return self.tracking.artifact_location or self.data_path("mlruns").as_uri()
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named top-level sections (what a stage's output depends on)."""
+        dumped = self.model_dump(mode="json")
+        payload = {s: dumped[s] for s in sections}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user (file, line, field path, fix)."""
+
+
+def _yaml_line_index(text: str) -> dict[tuple[str, ...], int]:
+    """Map dotted key paths to 1-based line numbers, so errors can point at the line."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = prefix + (str(key_node.value),)
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[prefix + (str(i),)] = item.start_mark.line + 1
+                walk(item, prefix + (str(i),))
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key, e.g. train.lr=1e-4")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key segment in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({err})") from None
+    return key.split("."), value
+
+
+def _apply_override(tree: dict, path: list[str], value: Any, item: str) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_errors(err: ValidationError, source: str, lines: dict[tuple[str, ...], int], overridden: set) -> str:
+    out = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        field = ".".join(loc) or "<root>"
+        where = ""
+        if loc in overridden:
+            where = " (from a command-line override)"
+        else:
+            probe = loc
+            while probe and probe not in lines:
+                probe = probe[:-1]
+            if probe in lines:
+                where = f" (line {lines[probe]})"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against DESIGN.md / configs/tiny-cpu.yaml"
+        out.append(f"  {source}{where}: {field}: {msg}")
+    return "\n".join(out)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DraftlineConfig:
+    """Load YAML (or the built-in defaults when path is None), apply dotted overrides, validate."""
+    text = ""
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read config {source}: {err.strerror}") from None
+    try:
+        tree = yaml.safe_load(text) if text else {}
+        lines = _yaml_line_index(text) if text else {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config {source}{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config {source}: top level must be a mapping of sections, got {type(tree).__name__}")
+    overridden: set[tuple[str, ...]] = set()
+    for item in overrides or []:
+        key_path, value = _parse_override(item)
+        _apply_override(tree, key_path, value, item)
+        overridden.add(tuple(key_path))
+    try:
+        return DraftlineConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source, lines, overridden)) from None
+
+
+def config_to_yaml(config: DraftlineConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved(config: DraftlineConfig, directory: str | os.PathLike) -> Path:
+    """Write the resolved config beside a stage's output."""
+    out = Path(directory) / "resolved_config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(config_to_yaml(config))
+    return out

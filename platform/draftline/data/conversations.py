@@ -1,0 +1,119 @@
+"""Reading conversations: jsonl or parquet, OpenAI `messages` or ShareGPT `conversations` (from/value).
+
+Every problem becomes a `BadInput` naming the file, the line (1-based; parquet: row + 1) and what to do;
+nothing is silently dropped: the caller counts every one in the prepare report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "chatgpt": "assistant"}
+
+
+@dataclass
+class BadInput:
+    file: str
+    line: int
+    kind: str  # malformed | unknown_role | no_assistant | bad_field | over_length
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.kind}: {self.message}"
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict[str, str]]
+    file: str
+    line: int
+    extra: dict = field(default_factory=dict)
+
+
+class DataError(ValueError):
+    """Raised with policy `fail`: lists every bad input found."""
+
+    def __init__(self, problems: list[BadInput]):
+        shown = "\n".join(f"  {p}" for p in problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        super().__init__(
+            f"{len(problems)} bad input(s) with data.on_bad_input=fail:\n{shown}{more}\n"
+            "Fix these lines, or set data.on_bad_input=skip to skip them (each is counted in report.json)."
+        )
+        self.problems = problems
+
+
+def _records(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed record or the JSON error) for jsonl; (row + 1, record) for parquet."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, record in enumerate(pq.read_table(path).to_pylist()):
+            yield i + 1, record
+        return
+    with open(path, encoding="utf-8") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield line_no, json.loads(raw)
+            except json.JSONDecodeError as err:
+                yield line_no, err
+
+
+def _normalize(record: dict, fmt: str, where: tuple[str, int]) -> list[dict[str, str]] | BadInput:
+    file, line = where
+    if fmt == "auto":
+        fmt = "openai" if "messages" in record else "sharegpt" if "conversations" in record else ""
+    if fmt == "openai":
+        turns, role_key, content_key, role_map = record.get("messages"), "role", "content", {r: r for r in ROLES}
+    elif fmt == "sharegpt":
+        turns, role_key, content_key, role_map = record.get("conversations"), "from", "value", SHAREGPT_ROLES
+    else:
+        return BadInput(file, line, "bad_field", "no 'messages' (OpenAI) or 'conversations' (ShareGPT) field; add one of them")
+    if not isinstance(turns, list) or not turns:
+        return BadInput(file, line, "bad_field", f"field for {fmt} format must be a non-empty list of turns")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return BadInput(file, line, "bad_field", f"turn {i} is {type(turn).__name__}, expected an object with {role_key}/{content_key}")
+        role = turn.get(role_key)
+        if role not in role_map:
+            allowed = ", ".join(sorted(role_map))
+            return BadInput(file, line, "unknown_role", f"turn {i} has {role_key}={role!r}; allowed: {allowed}")
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            return BadInput(file, line, "bad_field", f"turn {i} {content_key} must be a string, got {type(content).__name__}")
+        messages.append({"role": role_map[role], "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        return BadInput(file, line, "no_assistant", "conversation has no assistant turn, so there is nothing to learn; add a reply or remove it")
+    return messages
+
+
+def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegpt"] = "auto") -> tuple[list[Conversation], list[BadInput]]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"conversations file {path} does not exist (data.conversations)")
+    if path.suffix not in {".jsonl", ".json", ".parquet"}:
+        raise ValueError(f"conversations file {path}: expected .jsonl or .parquet (data.conversations)")
+    good: list[Conversation] = []
+    bad: list[BadInput] = []
+    for line, record in _records(path):
+        if isinstance(record, json.JSONDecodeError):
+            bad.append(BadInput(str(path), line, "malformed", f"not valid JSON ({record.msg} at column {record.colno})"))
+            continue
+        if not isinstance(record, dict):
+            bad.append(BadInput(str(path), line, "malformed", f"expected a JSON object per line, got {type(record).__name__}"))
+            continue
+        messages = _normalize(record, fmt, (str(path), line))
+        if isinstance(messages, BadInput):
+            bad.append(messages)
+            continue
+        conv_id = str(record.get("id") or f"{path.name}:{line}")
+        good.append(Conversation(id=conv_id, messages=messages, file=str(path), line=line))
+    return good, bad

@@ -1,0 +1,186 @@
+"""Stage 2: conversations -> token ids + assistant-only loss mask, split by stable hash, draft vocab.
+
+Output `<data_dir>/datasets/<hash>/`: train.jsonl, val.jsonl, bench.jsonl, vocab.safetensors, report.json,
+manifest.json (written last: its presence means the stage finished), resolved_config.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from draftline.config import DraftlineConfig, write_resolved
+from draftline.data.conversations import BadInput, DataError, read_conversations
+from draftline.data.masks import build_masked_sample, end_of_turn_text
+from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
+from draftline.utils import atomic_write_json, read_json, sha256_file, split_of, stable_hash
+
+SPLITS = ("train", "val", "bench")
+
+
+def _log(msg: str) -> None:
+    print(f"[prepare] {msg}", flush=True)
+
+
+def conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
+    if cfg.data.conversations:
+        return Path(cfg.data.conversations).expanduser()
+    own = target_dir / "conversations.jsonl"
+    if not own.exists():
+        raise FileNotFoundError(
+            f"data.conversations is empty and the target at {target_dir} has no conversations.jsonl; "
+            "set data.conversations to a jsonl/parquet file of OpenAI messages or ShareGPT conversations"
+        )
+    return own
+
+
+def tokenizer_fingerprint(target_dir: Path) -> str:
+    files = [f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (target_dir / f).exists()]
+    return stable_hash([(f, sha256_file(target_dir / f)) for f in files])[:16]
+
+
+def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path) -> str:
+    return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir), cfg.data.model_dump(mode="json"))[:16]
+
+
+def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
+    from transformers import AutoTokenizer
+
+    from draftline.target.load import resolve_target_dir
+
+    target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
+    conv_path = conversations_path(cfg, target_dir)
+    out_dir = cfg.data_path("datasets", dataset_hash(cfg, target_dir, conv_path))
+    if (out_dir / "manifest.json").exists():
+        _log(f"cached: {out_dir}")
+        return out_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target_vocab_size = len(tokenizer)
+    conversations, problems = read_conversations(conv_path, cfg.data.format)
+    records_read = len(conversations) + len(problems)
+    eot = end_of_turn_text(tokenizer)
+    splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    truncated = 0
+    seen_ids: set[str] = set()
+    for conv in conversations:
+        if conv.id in seen_ids:
+            problems.append(BadInput(conv.file, conv.line, "bad_field", f"duplicate id {conv.id!r}; ids must be unique"))
+            continue
+        seen_ids.add(conv.id)
+        sample = build_masked_sample(tokenizer, conv.messages, eot)
+        if len(sample.input_ids) > cfg.data.max_seq_len:
+            detail = f"{len(sample.input_ids)} tokens > data.max_seq_len={cfg.data.max_seq_len}"
+            if cfg.data.over_length != "truncate":
+                problems.append(BadInput(conv.file, conv.line, "over_length", f"{detail}; raise max_seq_len or set data.over_length=truncate"))
+                continue
+            sample.input_ids = sample.input_ids[: cfg.data.max_seq_len]
+            sample.loss_mask = sample.loss_mask[: cfg.data.max_seq_len]
+            truncated += 1
+            if not any(sample.loss_mask):
+                problems.append(BadInput(conv.file, conv.line, "over_length", f"{detail}; after truncation no assistant token is left"))
+                continue
+        split = split_of(conv.id, cfg.data.split.val_fraction, cfg.data.split.bench_fraction)
+        splits[split].append({"id": conv.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask, "messages": conv.messages})
+
+    # Over-long samples follow data.over_length; every other problem follows data.on_bad_input.
+    over_length = [p for p in problems if p.kind == "over_length"]
+    other = [p for p in problems if p.kind != "over_length"]
+    if (other and cfg.data.on_bad_input == "fail") or (over_length and cfg.data.over_length == "fail"):
+        raise DataError(problems)
+    if not splits["train"]:
+        raise DataError(problems + [BadInput(str(conv_path), 0, "bad_field", "no usable training conversation is left")])
+
+    masked_ids = [t for s in splits["train"] for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
+    always = [tokenizer.convert_tokens_to_ids(eot)] if eot else []
+    d2t, t2d, vocab_stats = build_draft_vocab(masked_ids, target_vocab_size, cfg.data.draft_vocab_size, always)
+
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    for split, samples in splits.items():
+        with open(tmp_dir / f"{split}.jsonl", "w") as handle:
+            for sample in samples:
+                handle.write(json.dumps(sample) + "\n")
+    save_vocab(tmp_dir / "vocab.safetensors", d2t, t2d)
+    by_kind: dict[str, int] = {}
+    for p in problems:
+        by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
+    report = {
+        "source": str(conv_path),
+        "records_read": records_read,
+        "samples": {s: len(v) for s, v in splits.items()},
+        "tokens": {s: sum(len(x["input_ids"]) for x in v) for s, v in splits.items()},
+        "masked_tokens": {s: sum(sum(x["loss_mask"]) for x in v) for s, v in splits.items()},
+        "truncated": truncated,
+        "bad_input": {"policy": cfg.data.on_bad_input, "count": len(problems), "by_kind": by_kind, "items": [str(p) for p in problems]},
+        "draft_vocab": {"size": cfg.data.draft_vocab_size, "target_vocab_size": target_vocab_size, **vocab_stats},
+    }
+    atomic_write_json(tmp_dir / "report.json", report)
+    write_resolved(cfg, tmp_dir)
+    manifest = {
+        "dataset_hash": out_dir.name,
+        "conversations_sha256": sha256_file(conv_path),
+        "tokenizer_fingerprint": tokenizer_fingerprint(target_dir),
+        "target_dir": str(target_dir),
+        "target_vocab_size": target_vocab_size,
+        "draft_vocab_size": cfg.data.draft_vocab_size,
+        "samples": report["samples"],
+    }
+    atomic_write_json(tmp_dir / "manifest.json", manifest)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp_dir, out_dir)
+    return out_dir
+
+
+def load_split(dataset_dir: str | Path, split: str) -> list[dict]:
+    with open(Path(dataset_dir) / f"{split}.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def load_vocab(dataset_dir: str | Path):
+    return load_vocab_file(Path(dataset_dir) / "vocab.safetensors")
+
+
+def summary_text(dataset_dir: Path) -> str:
+    report = read_json(dataset_dir / "report.json")
+    lines = [f"dataset {dataset_dir}"]
+    for split in SPLITS:
+        lines.append(
+            f"  {split:5s}: {report['samples'][split]:5d} samples, {report['tokens'][split]:7d} tokens, "
+            f"{report['masked_tokens'][split]:7d} assistant tokens"
+        )
+    bad = report["bad_input"]
+    lines.append(f"  bad input: {bad['count']} ({', '.join(f'{k}={v}' for k, v in bad['by_kind'].items()) or 'none'}), policy {bad['policy']}")
+    for item in bad["items"][:5]:
+        lines.append(f"    {item}")
+    lines.append(f"  truncated to max_seq_len: {report['truncated']}")
+    vocab = report["draft_vocab"]
+    lines.append(
+        f"  draft vocab: {vocab['size']} of {vocab['target_vocab_size']} target tokens, "
+        f"covers {vocab['coverage']:.1%} of {vocab['masked_tokens']} assistant tokens"
+    )
+    return "\n".join(lines)
+
+
+def _cmd(args) -> int:
+    from draftline.cli import config_from_args
+
+    cfg = config_from_args(args)
+    try:
+        out = prepare(cfg)
+    except (DataError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", flush=True)
+        return 1
+    print(summary_text(out))
+    return 0
+
+
+def register(subparsers) -> None:
+    from draftline.cli import add_config_args
+
+    parser = subparsers.add_parser("prepare", help="tokenize conversations, build loss masks, splits and draft vocab")
+    add_config_args(parser)
+    parser.set_defaults(func=_cmd)

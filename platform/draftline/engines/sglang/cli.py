@@ -1,0 +1,123 @@
+"""`draftline sglang-command` and `draftline check-sglang-args`.
+
+    draftline sglang-command --config configs/x.yaml --draft-model-path EXPORT_DIR [--model-path TARGET_DIR]
+        prints the exact SGLang launch command for cfg.engine (checked by the preflight first)
+    draftline check-sglang-args [--sglang-version 0.5.23] -- python -m sglang.launch_server --model-path ...
+        checks a hand-written command; exit 0 when clean or only warnings, 1 with errors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict
+
+from draftline.cli import add_config_args, config_from_args
+from draftline.config import ConfigError
+from draftline.engines.sglang.args import build_launch_argv
+from draftline.engines.sglang.preflight import (
+    Finding,
+    PreflightError,
+    format_findings,
+    has_errors,
+    preflight,
+    real_parser_check,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    command = subparsers.add_parser(
+        "sglang-command",
+        help="print the SGLang launch command for a config (preflight-checked)",
+        description="Print the exact SGLang launch command generated from cfg.engine, after the preflight passes.",
+    )
+    add_config_args(command)
+    command.add_argument("--model-path", help="target model directory (default: target.path, or the embedded target)")
+    command.add_argument("--draft-model-path", help="exported drafter directory (`draftline export` output)")
+    command.add_argument("--python", help="interpreter for the command (default: engine.sglang.python)")
+    command.add_argument("--json", action="store_true", help="print the argv as a JSON list instead of a shell line")
+    command.set_defaults(func=run_sglang_command)
+
+    check = subparsers.add_parser(
+        "check-sglang-args",
+        help="check a hand-written SGLang launch command before launching it",
+        description="Check an SGLang launch command: unknown/vLLM flags, speculative settings, draft vs target "
+        "checkpoints. Put the command after `--`. Exit 0: no errors (warnings allowed); 1: errors.",
+    )
+    check.add_argument("--sglang-version", default="0.5.23", help="SGLang version to check against (default: %(default)s)")
+    check.add_argument(
+        "--sglang-python",
+        help="also parse the command with SGLang's own parser in this interpreter (one with sglang installed)",
+    )
+    check.add_argument("--no-checkpoints", action="store_true", help="do not read config.json / safetensors headers")
+    check.add_argument("--json", action="store_true", help="print findings as JSON")
+    check.add_argument("launch_argv", nargs=argparse.REMAINDER, help="the SGLang command, after `--`")
+    check.set_defaults(func=run_check_sglang_args)
+
+
+def _target_path(cfg, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    if cfg.target.kind == "hf":
+        return cfg.target.path
+    from draftline.target.load import resolve_target_dir  # builds the embedded target once (cached by hash)
+
+    return str(resolve_target_dir(cfg))
+
+
+def run_sglang_command(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.engine.speculative.algorithm and not args.draft_model_path:
+        raise ConfigError(
+            f"engine.speculative.algorithm is {cfg.engine.speculative.algorithm!r} but no draft model was given: "
+            "pass --draft-model-path EXPORT_DIR (a `draftline export` directory)"
+        )
+    try:
+        argv = build_launch_argv(
+            cfg, _target_path(cfg, args.model_path), args.draft_model_path, python=args.python
+        )
+    except PreflightError as err:
+        print(f"error: the launch command generated from {args.config} would fail:", file=sys.stderr)
+        print(format_findings(err.findings), file=sys.stderr)
+        print("command: " + shlex.join(err.argv), file=sys.stderr)
+        return 1
+    warnings = [f for f in preflight(argv, cfg.engine.sglang.version) if f.level == "warning"]
+    if warnings:
+        print(format_findings(warnings), file=sys.stderr)
+    print(json.dumps(argv) if args.json else shlex.join(argv))
+    return 0
+
+
+def _real_parser_findings(argv: list[str], python: str) -> list[Finding]:
+    try:
+        result = real_parser_check(argv, python)
+    except (RuntimeError, OSError) as err:
+        return [Finding("warning", "real-parser", (), f"SGLang's own parser could not be run: {err}", "fix --sglang-python")]
+    findings = []
+    if result["error"]:
+        findings.append(Finding("error", "real-parser", (), f"SGLang {result['version']}'s parser: {result['error']}", "see the findings above"))
+    if result["unknown"]:
+        findings.append(
+            Finding("error", "real-parser", tuple(result["unknown"]), f"SGLang {result['version']}'s parser does not recognise {result['unknown']}", "see the findings above")
+        )  # fmt: skip
+    return findings
+
+
+def run_check_sglang_args(args: argparse.Namespace) -> int:
+    launch = list(args.launch_argv)
+    if launch and launch[0] == "--":
+        launch = launch[1:]
+    if not launch:
+        print("error: nothing to check; put the SGLang command after `--`, e.g.\n"
+              "  draftline check-sglang-args -- python -m sglang.launch_server --model-path DIR ...", file=sys.stderr)  # fmt: skip
+        return 2
+    findings = preflight(launch, args.sglang_version, check_checkpoints=not args.no_checkpoints)
+    if args.sglang_python:
+        findings += _real_parser_findings(launch, args.sglang_python)
+    if args.json:
+        print(json.dumps([asdict(f) for f in findings], indent=1))
+    else:
+        print(format_findings(findings))
+    return 1 if has_errors(findings) else 0

@@ -1,0 +1,746 @@
+"""What SGLang does with speculative-decoding arguments, per version, as a table; and the rules built on it.
+
+Read from each version's source (never imported, never copied) under /tmp/sgl/<version>/:
+
+Speculative argument handling
+- 0.5.6:  sglang/srt/server_args.py `ServerArgs._handle_speculative_decoding`.
+- 0.5.12: sglang/srt/server_args.py `ServerArgs._handle_speculative_decoding` (+ `_resolve_speculative_algorithm_alias`).
+- 0.5.23: sglang/srt/arg_groups/speculative_hook.py `handle_speculative_decoding` / `_handle_eagle_family`
+  (server_args.py only assembles the namespaces; the flags live in sglang/srt/arg_groups/fields/spec.py).
+
+Found in all three (EAGLE, EAGLE3, NEXTN->EAGLE, STANDALONE):
+- `--speculative-num-steps` unset: `assert speculative_eagle_topk is None and speculative_num_draft_tokens is None`
+  (a bare AssertionError, raised after the target's HF config is read), then the triple is auto-chosen:
+  (5, 4, 8) for LlamaForCausalLM in every version; for other architectures (5, 4, 8) in 0.5.6/0.5.12
+  (`auto_choose_speculative_params`) but (3, 1, 4) in 0.5.23 (`_auto_choose_speculative_params`).
+  0.5.23 skips the assert when `--speculative-adaptive` is given (`_init_adaptive_speculative_params` then sets
+  topk=1 and a middle candidate step count); 0.5.12 has `--speculative-adaptive` but still asserts first.
+- `--speculative-num-steps` set, `--speculative-eagle-topk` unset: nothing fills topk in, so
+  `speculative_eagle_topk > 1` raises `TypeError: '>' not supported between 'NoneType' and 'int'` (the page-size
+  check). 0.5.23 with `--speculative-adaptive` sets topk=1 instead.
+- topk == 1 and num_draft_tokens != num_steps + 1: a logged warning, and num_draft_tokens is silently set to
+  num_steps + 1. With topk > 1 num_draft_tokens is never derived.
+- topk > 1 with trtllm_mha as attention/decode/prefill backend: ValueError (0.5.23 checks the resolved backends).
+- topk > 1 with page_size > 1: ValueError unless attention_backend is in ("flashinfer", "fa3") in 0.5.6/0.5.12;
+  0.5.23 allows ("flashinfer", "fa3", "triton") (`_PAGE_TREE_SPEC_BACKENDS`).
+- Algorithm names: 0.5.6 has argparse `choices=["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]` (case
+  sensitive, rejected at parse time). 0.5.12 has no choices; the name is upper-cased and looked up in
+  `SpeculativeAlgorithm` (speculative/spec_info.py: DFLASH, EAGLE, EAGLE3, FROZEN_KV_MTP, STANDALONE, NGRAM;
+  NEXTN is an alias of EAGLE) or a plugin registry; unknown names raise ValueError late. 0.5.23 adds UNO and
+  DSPARK (spec_info.py; NEXTN is in spec_registry.py `_RESERVED_ALIASES`).
+Draft checkpoints (sglang/srt/managers/tp_worker.py + configs/model_config.py, all three versions):
+- the draft worker loads `speculative_draft_model_path`; `ModelConfig.from_server_args` uses
+  `model_path or server_args.model_path`, so with no draft path the *target* is loaded as the draft.
+- EAGLE3 draft classes (models/*eagle3*.py `EntryClass`): LlamaForCausalLMEagle3 in 0.5.6; also
+  Eagle3DeepseekV2ForCausalLM from 0.5.12. No architecture rewrite for Llama drafts.
+- models/llama_eagle3.py: fc input = target_hidden_size (or hidden_size) x 3 in 0.5.6; from 0.5.12
+  x len(eagle_config.eagle_aux_hidden_state_layer_ids) (default 3). `d2t` in the weights becomes
+  hot_token_id = d2t + arange(len(d2t)), so len(d2t) must equal draft_vocab_size.
+- models/llama.py `set_eagle3_layers_to_capture`: ids are shifted by +1 and captured inside
+  `for i in range(start_layer, end_layer)`, so an id >= num_hidden_layers - 1 is never captured (the fc then
+  gets fewer inputs than it was trained for). Default capture: [2, n//2, n-3].
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version
+from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error" | "warning"
+    rule: str
+    flags: tuple[str, ...]
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        flags = f" [{', '.join(self.flags)}]" if self.flags else ""
+        return f"{self.level}: {self.rule}{flags}: {self.message}\n  fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class VersionBehaviour:
+    """How one range of SGLang versions treats speculative arguments (see the module docstring)."""
+
+    checked_version: str  # the version whose source this row was read from
+    first_version: str  # inclusive
+    before_version: Optional[str]  # exclusive; None = open-ended
+    source: str
+    algorithm_choices: Optional[tuple[str, ...]]  # argparse choices (case sensitive) or None
+    builtin_algorithms: tuple[str, ...]  # accepted after upper-casing (when no argparse choices)
+    page_tree_backends: tuple[str, ...]  # allowed attention backends for topk > 1 with page_size > 1
+    adaptive_skips_triple_assert: bool
+    auto_params_llama: tuple[int, int, int]
+    auto_params_other: tuple[int, int, int]
+    eagle3_draft_architectures: tuple[str, ...]
+    fixed_aux_layer_count: Optional[int]  # 0.5.6's EAGLE3 fc always takes 3 aux states
+
+    def covers(self, version: str) -> bool:
+        v = parse_version(version)
+        return parse_version(self.first_version) <= v and (
+            self.before_version is None or v < parse_version(self.before_version)
+        )
+
+
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+
+VERSION_TABLE: tuple[VersionBehaviour, ...] = (
+    VersionBehaviour(
+        checked_version="0.5.6",
+        first_version="0.5.6",
+        before_version="0.5.12",
+        source="sglang/srt/server_args.py ServerArgs._handle_speculative_decoding",
+        algorithm_choices=("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
+        builtin_algorithms=("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
+        page_tree_backends=("flashinfer", "fa3"),
+        adaptive_skips_triple_assert=False,
+        auto_params_llama=(5, 4, 8),
+        auto_params_other=(5, 4, 8),
+        eagle3_draft_architectures=("LlamaForCausalLMEagle3",),
+        fixed_aux_layer_count=3,
+    ),
+    VersionBehaviour(
+        checked_version="0.5.12",
+        first_version="0.5.12",
+        before_version="0.5.23",
+        source="sglang/srt/server_args.py ServerArgs._handle_speculative_decoding",
+        algorithm_choices=None,
+        builtin_algorithms=("DFLASH", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NEXTN", "NGRAM", "STANDALONE"),
+        page_tree_backends=("flashinfer", "fa3"),
+        adaptive_skips_triple_assert=False,
+        auto_params_llama=(5, 4, 8),
+        auto_params_other=(5, 4, 8),
+        eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
+        fixed_aux_layer_count=None,
+    ),
+    VersionBehaviour(
+        checked_version="0.5.23",
+        first_version="0.5.23",
+        before_version=None,
+        source="sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family",
+        algorithm_choices=None,
+        builtin_algorithms=(
+            "DFLASH", "DSPARK", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NEXTN", "NGRAM", "STANDALONE", "UNO",
+        ),  # fmt: skip
+        page_tree_backends=("flashinfer", "fa3", "triton"),
+        adaptive_skips_triple_assert=True,
+        auto_params_llama=(5, 4, 8),
+        auto_params_other=(3, 1, 4),
+        eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
+        fixed_aux_layer_count=None,
+    ),
+)
+
+
+def behaviour_for(version: str) -> VersionBehaviour:
+    """The row covering `version`; versions older than the table use its first row."""
+    for row in VERSION_TABLE:
+        if row.covers(version):
+            return row
+    return VERSION_TABLE[0]
+
+
+# vLLM option names (vllm serve / EngineArgs) and their SGLang counterparts; None = no SGLang equivalent.
+VLLM_EQUIVALENTS: dict[str, Optional[str]] = {
+    "--speculative-model": "--speculative-draft-model-path",
+    "--speculative-draft-model": "--speculative-draft-model-path",
+    "--gpu-memory-utilization": "--mem-fraction-static",
+    "--max-model-len": "--context-length",
+    "--max-num-seqs": "--max-running-requests",
+    "--max-num-batched-tokens": "--chunked-prefill-size",
+    "--enforce-eager": "--disable-cuda-graph",
+    "--block-size": "--page-size",
+    "--pipeline-parallel-size": "--pipeline-parallel-size",
+    "--model": "--model-path",
+    "--tokenizer": "--tokenizer-path",
+    "--speculative-draft-tensor-parallel-size": None,
+    "--speculative-disable-by-batch-size": None,
+    "--speculative-max-model-len": None,
+    "--num-lookahead-slots": None,
+}
+VLLM_METHODS = {
+    "eagle3": "EAGLE3",
+    "eagle": "EAGLE",
+    "mtp": "NEXTN",
+    "deepseek_mtp": "NEXTN",
+    "ngram": "NGRAM",
+    "draft_model": "STANDALONE",
+}
+
+
+@dataclass
+class Context:
+    parsed: ParsedArgv
+    table: FlagTable
+    version: str
+    behaviour: VersionBehaviour
+    check_checkpoints: bool = True
+
+    # Effective speculative settings as SGLang reads them from argv.
+    def int_value(self, dest: str) -> Optional[int]:
+        raw = self.parsed.value(dest)
+        try:
+            return int(raw) if raw is not None else None
+        except ValueError:
+            return None  # reported by the flag-value rule
+
+    @property
+    def algorithm(self) -> Optional[str]:
+        raw = self.parsed.value("speculative_algorithm")
+        # Upper-cased even where argparse would reject the case (that is reported by the algorithm-name rule),
+        # so the other rules still check what the user meant.
+        return raw.upper() if raw is not None else None
+
+    @property
+    def is_eagle_family(self) -> bool:
+        return self.algorithm in EAGLE_FAMILY
+
+    @property
+    def adaptive(self) -> bool:
+        return self.parsed.flag_set("speculative_adaptive")
+
+    def opt(self, dest: str) -> str:
+        return self.parsed.option_name(dest)
+
+    def checkpoint(self, dest: str) -> Optional[CheckpointInfo]:
+        raw = self.parsed.value(dest)
+        return read_checkpoint(raw) if raw is not None and self.check_checkpoints else None
+
+
+Check = Callable[[Context], Iterator[Finding]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    summary: str
+    check: Check
+
+
+def _err(rule: str, flags, message: str, fix: str) -> Finding:
+    return Finding("error", rule, tuple(flags), message, fix)
+
+
+def _warn(rule: str, flags, message: str, fix: str) -> Finding:
+    return Finding("warning", rule, tuple(flags), message, fix)
+
+
+# --- argv-level rules --------------------------------------------------------------------------------
+
+
+def _num_speculative_tokens_fix(item: ArgvItem) -> str:
+    try:
+        n = int(item.values[0]) if item.values else None
+    except ValueError:
+        n = None
+    if n is None:
+        return "--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1"
+    return f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
+
+
+def _speculative_config_fix(item: ArgvItem) -> tuple[str, str]:
+    """(what the JSON meant, the fix) for vLLM's --speculative-config."""
+    generic = (
+        "write SGLang flags instead: --speculative-algorithm EAGLE3 --speculative-draft-model-path DIR "
+        "--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1"
+    )
+    try:
+        config = json.loads(item.values[0]) if item.values else None
+    except json.JSONDecodeError as err:
+        return f"its value is not valid JSON either: {err}", generic
+    if not isinstance(config, dict):
+        return "its value is not a JSON object", generic
+    flags: list[str] = []
+    method = str(config.get("method", "")).lower()
+    if method:
+        if method in VLLM_METHODS:
+            flags += ["--speculative-algorithm", VLLM_METHODS[method]]
+        else:
+            return f"method {method!r} has no SGLang equivalent", f"pick one of SGLang's algorithms ({', '.join(sorted(set(VLLM_METHODS.values())))})"
+    if config.get("model"):
+        flags += ["--speculative-draft-model-path", str(config["model"])]
+    n = config.get("num_speculative_tokens")
+    if isinstance(n, int):
+        flags += ["--speculative-num-steps", str(n), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(n + 1)]
+    ignored = sorted(set(config) - {"method", "model", "num_speculative_tokens"})
+    note = f"; keys with no direct SGLang flag: {', '.join(ignored)}" if ignored else ""
+    return f"it holds {json.dumps(config)}{note}", ("replace it with " + " ".join(flags)) if flags else generic
+
+
+def check_unknown_flags(ctx: Context) -> Iterator[Finding]:
+    known = list(ctx.table.flags)
+    for item in ctx.parsed.items:
+        if item.abbreviates is not None:
+            yield _warn(
+                "abbreviated-flag", [item.option],
+                f"{item.option} is not an SGLang option, but argparse accepts it as an abbreviation of {item.abbreviates} "
+                "(a later SGLang option with the same prefix would turn it into an error).",
+                f"spell it out: {item.abbreviates}",
+            )  # fmt: skip
+            continue
+        if item.spec is not None:
+            continue
+        option = item.option
+        where = f"SGLang {ctx.table.version}"
+        if option == "--num-speculative-tokens":
+            yield _err(
+                "vllm-flag", [option],
+                f"{item.as_written()} is vLLM's option; {where} has no such flag and argparse stops with "
+                "'unrecognized arguments'. vLLM's N proposed tokens in a chain are SGLang's --speculative-num-steps "
+                "with --speculative-eagle-topk 1 (and a verify width of N+1 tokens).",
+                f"replace it with {_num_speculative_tokens_fix(item)}",
+            )  # fmt: skip
+            continue
+        if option == "--speculative-config":
+            meaning, fix = _speculative_config_fix(item)
+            yield _err(
+                "vllm-flag", [option],
+                f"--speculative-config is vLLM's JSON option; {where} takes separate --speculative-* flags ({meaning}).",
+                fix,
+            )  # fmt: skip
+            continue
+        if option in VLLM_EQUIVALENTS:
+            target = VLLM_EQUIVALENTS[option]
+            if target is not None and target in ctx.table.flags:
+                values = " ".join(item.values)
+                yield _err(
+                    "vllm-flag", [option],
+                    f"{option} is vLLM's name; {where} does not know it.",
+                    f"use {target}{' ' + values if values else ''} (check the unit: e.g. --mem-fraction-static is a "
+                    "fraction like vLLM's --gpu-memory-utilization, --chunked-prefill-size is per-chunk tokens)"
+                    if option in ("--gpu-memory-utilization", "--max-num-batched-tokens")
+                    else f"use {target}{' ' + values if values else ''}",
+                )  # fmt: skip
+            else:
+                yield _err(
+                    "vllm-flag", [option],
+                    f"{option} is a vLLM option with no SGLang {ctx.table.version} equivalent.",
+                    "remove it",
+                )  # fmt: skip
+            continue
+        prefixed = ctx.table.abbreviation_of(option)
+        close = difflib.get_close_matches(option, known, n=3, cutoff=0.6)
+        if len(prefixed) > 1:
+            message = f"{option} is an ambiguous abbreviation of {', '.join(prefixed[:5])}; argparse stops with an error."
+        else:
+            message = f"{option} is not an option of SGLang {ctx.table.version} (argparse: 'unrecognized arguments')."
+        suggestion = close or prefixed[:3]
+        fix = f"did you mean {' or '.join(suggestion)}?" if suggestion else "remove it (see `python -m sglang.launch_server --help`)"
+        yield _err("unknown-flag", [option], message, fix)
+
+
+def check_positionals(ctx: Context) -> Iterator[Finding]:
+    for _, token in ctx.parsed.positionals:
+        yield _err(
+            "stray-value", [token],
+            f"{token!r} is not attached to any option (a value after a flag that takes none, or a typo); "
+            "SGLang's parser stops with 'unrecognized arguments'.",
+            "remove it or put the option it belongs to in front of it",
+        )  # fmt: skip
+
+
+def check_flag_values(ctx: Context) -> Iterator[Finding]:
+    for item in ctx.parsed.items:
+        spec = item.spec
+        if spec is None:
+            continue
+        if item.missing_value:
+            yield _err("flag-value", [item.option], f"{item.option} needs a value and none follows it.", f"write {item.option} VALUE")
+            continue
+        if spec.nargs == 0 and item.inline_value:
+            yield _err("flag-value", [item.option], f"{item.option} is a switch and takes no value (got {item.as_written()}).", f"write {item.option} alone")
+            continue
+        for value in item.values:
+            if spec.type in ("int", "float"):
+                try:
+                    int(value) if spec.type == "int" else float(value)
+                except ValueError:
+                    yield _err("flag-value", [item.option], f"{item.option} takes an {spec.type}, got {value!r}.", f"give {item.option} a number")
+                    continue
+            # The algorithm has its own rule with version-specific case handling.
+            if spec.choices is not None and spec.dest != "speculative_algorithm" and value not in [str(c) for c in spec.choices]:
+                close = difflib.get_close_matches(value, [str(c) for c in spec.choices], n=3, cutoff=0.5)
+                hint = f"did you mean {' or '.join(close)}? " if close else ""
+                yield _err(
+                    "flag-value", [item.option],
+                    f"{value!r} is not a valid choice for {item.option} in SGLang {ctx.table.version}.",
+                    f"{hint}choices: {', '.join(map(str, spec.choices))}",
+                )  # fmt: skip
+
+
+def check_duplicates(ctx: Context) -> Iterator[Finding]:
+    seen: dict[str, list[ArgvItem]] = {}
+    for item in ctx.parsed.items:
+        if item.dest is not None:
+            seen.setdefault(item.dest, []).append(item)
+    for dest, items in seen.items():
+        if len(items) > 1 and items[0].spec.nargs != 0:
+            written = ", ".join(i.as_written() for i in items)
+            yield _warn(
+                "duplicate-flag", [i.option for i in items],
+                f"{dest} is given {len(items)} times ({written}); argparse keeps only the last one.",
+                f"keep one: {items[-1].as_written()}",
+            )  # fmt: skip
+
+
+def check_deprecated(ctx: Context) -> Iterator[Finding]:
+    for item in ctx.parsed.items:
+        if item.spec is not None and item.spec.deprecated:
+            replacement = item.spec.replacement
+            yield _warn(
+                "deprecated-flag", [item.option],
+                f"{item.option} is deprecated in SGLang {ctx.table.version}.",
+                f"use {replacement} instead" if replacement else f"see `--help` for what replaces {item.option}",
+            )  # fmt: skip
+
+
+def check_required(ctx: Context) -> Iterator[Finding]:
+    required = {spec.dest: spec.canonical for spec in ctx.table.flags.values() if spec.required}
+    for dest, option in sorted(required.items()):
+        if not ctx.parsed.given(dest):
+            yield _err("required-flag", [option], f"{option} is required by SGLang {ctx.table.version}.", f"add {option} PATH")
+
+
+# --- speculative rules ----------------------------------------------------------------------------------
+
+
+def check_algorithm(ctx: Context) -> Iterator[Finding]:
+    raw = ctx.parsed.value("speculative_algorithm")
+    if raw is None:
+        return
+    b = ctx.behaviour
+    option = ctx.opt("speculative_algorithm")
+    if b.algorithm_choices is not None:
+        if raw in b.algorithm_choices:
+            return
+        if raw.upper() in b.algorithm_choices:
+            yield _err(
+                "algorithm-name", [option],
+                f"SGLang {ctx.version} checks {option} against case-sensitive choices; {raw!r} is rejected at parse time.",
+                f"write {option} {raw.upper()}",
+            )  # fmt: skip
+            return
+        names = b.algorithm_choices
+    else:
+        if raw.upper() in b.builtin_algorithms:
+            return
+        names = b.builtin_algorithms
+    guess = VLLM_METHODS.get(raw.lower()) or next(iter(difflib.get_close_matches(raw.upper(), names, n=1, cutoff=0.5)), None)
+    yield _err(
+        "algorithm-name", [option],
+        f"{raw!r} is not a speculative algorithm of SGLang {ctx.version} (built in: {', '.join(names)}); "
+        "SGLang raises 'Unknown speculative algorithm name' (0.5.12+: only after reading the model config; "
+        "names registered by a plugin cannot be checked here).",
+        f"use {option} {guess}" if guess else f"use one of {', '.join(names)}",
+    )  # fmt: skip
+
+
+SPEC_TUNING_DESTS = (
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_draft_model_path",
+    "speculative_token_map",
+)
+
+
+def check_spec_without_algorithm(ctx: Context) -> Iterator[Finding]:
+    if ctx.parsed.value("speculative_algorithm") is not None:
+        return
+    given = [ctx.opt(d) for d in SPEC_TUNING_DESTS if ctx.parsed.given(d)]
+    if given:
+        yield _warn(
+            "speculative-without-algorithm", given,
+            f"{', '.join(given)} given without --speculative-algorithm: SGLang runs without speculative decoding and "
+            "ignores them.",
+            "add --speculative-algorithm EAGLE3 (or the algorithm your draft was trained for)",
+        )  # fmt: skip
+
+
+def check_partial_triple(ctx: Context) -> Iterator[Finding]:
+    if not ctx.is_eagle_family or ctx.parsed.given("speculative_num_steps"):
+        return
+    if ctx.adaptive and ctx.behaviour.adaptive_skips_triple_assert:
+        return
+    given = [d for d in ("speculative_eagle_topk", "speculative_num_draft_tokens") if ctx.parsed.given(d)]
+    if not given:
+        return
+    topk = ctx.int_value("speculative_eagle_topk")
+    ndt = ctx.int_value("speculative_num_draft_tokens")
+    if ndt is not None and topk in (None, 1):
+        steps = max(ndt - 1, 1)
+        fix = (
+            f"add --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1} "
+            f"(a chain of {steps} draft tokens), or remove {', '.join(ctx.opt(d) for d in given)} to let SGLang choose all three"
+        )
+    else:
+        fix = (
+            "add --speculative-num-steps S (and --speculative-num-draft-tokens), or remove "
+            f"{', '.join(ctx.opt(d) for d in given)} to let SGLang choose all three"
+        )
+    adaptive_note = " (--speculative-adaptive does not avoid this before 0.5.23)" if ctx.adaptive else ""
+    yield _err(
+        "partial-speculative-triple", [ctx.opt(d) for d in given] + ["--speculative-num-steps"],
+        f"{', '.join(ctx.opt(d) for d in given)} given without --speculative-num-steps: SGLang {ctx.version} "
+        "asserts that when --speculative-num-steps is unset, --speculative-eagle-topk and "
+        "--speculative-num-draft-tokens are unset too, and dies with a bare AssertionError in "
+        f"{ctx.behaviour.source} after loading the model config{adaptive_note}.",
+        fix,
+    )  # fmt: skip
+
+
+def check_steps_without_topk(ctx: Context) -> Iterator[Finding]:
+    if not ctx.is_eagle_family or not ctx.parsed.given("speculative_num_steps"):
+        return
+    if ctx.parsed.given("speculative_eagle_topk"):
+        return
+    if ctx.adaptive and ctx.behaviour.adaptive_skips_triple_assert:
+        return
+    steps = ctx.int_value("speculative_num_steps")
+    shown = steps if steps is not None else "S"
+    nxt = steps + 1 if steps is not None else "S+1"
+    yield _err(
+        "steps-without-topk", ["--speculative-num-steps", "--speculative-eagle-topk"],
+        f"--speculative-num-steps is set but --speculative-eagle-topk is not: SGLang {ctx.version} does not fill topk in "
+        "and fails with \"TypeError: '>' not supported between instances of 'NoneType' and 'int'\" while checking "
+        "topk > 1.",
+        f"add --speculative-eagle-topk 1 --speculative-num-draft-tokens {nxt} (a chain of {shown})",
+    )  # fmt: skip
+
+
+def check_tree_draft_tokens(ctx: Context) -> Iterator[Finding]:
+    if not ctx.is_eagle_family:
+        return
+    steps, topk, ndt = (ctx.int_value(d) for d in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"))
+    if steps is None or topk is None:
+        return
+    if topk == 1:
+        if ndt is not None and ndt != steps + 1:
+            yield _warn(
+                "topk1-draft-tokens", ["--speculative-num-draft-tokens", "--speculative-num-steps"],
+                f"with --speculative-eagle-topk 1, SGLang {ctx.version} silently changes --speculative-num-draft-tokens "
+                f"{ndt} to num_steps + 1 = {steps + 1} (a chain verifies every drafted token plus one).",
+                f"write --speculative-num-draft-tokens {steps + 1}, or raise --speculative-num-steps to {ndt - 1} "
+                f"if you meant {ndt} verified tokens",
+            )  # fmt: skip
+        return
+    if ndt is None:
+        yield _err(
+            "tree-without-draft-tokens", ["--speculative-num-draft-tokens", "--speculative-eagle-topk"],
+            f"--speculative-eagle-topk {topk} (a tree) without --speculative-num-draft-tokens: SGLang derives it only "
+            "for topk 1 and fails later with it unset.",
+            f"add --speculative-num-draft-tokens N with 2 <= N <= {1 + topk + (steps - 1) * topk * topk}",
+        )  # fmt: skip
+        return
+    capacity = 1 + topk + (steps - 1) * topk * topk
+    if ndt > capacity:
+        yield _err(
+            "draft-tokens-exceed-tree", ["--speculative-num-draft-tokens", "--speculative-num-steps", "--speculative-eagle-topk"],
+            f"--speculative-num-draft-tokens {ndt} is more than a tree of {steps} steps x topk {topk} can hold: "
+            f"1 + topk + (steps-1)*topk^2 = {capacity} (root, topk first-step candidates, topk^2 per later step).",
+            f"use --speculative-num-draft-tokens <= {capacity}, or more steps / a larger topk",
+        )  # fmt: skip
+
+
+def _backends(ctx: Context) -> dict[str, str]:
+    return {
+        ctx.opt(d): v
+        for d in ("attention_backend", "decode_attention_backend", "prefill_attention_backend")
+        if (v := ctx.parsed.value(d)) is not None
+    }
+
+
+def check_trtllm_topk(ctx: Context) -> Iterator[Finding]:
+    topk = ctx.int_value("speculative_eagle_topk")
+    if not ctx.is_eagle_family or topk is None or topk <= 1:
+        return
+    offending = [opt for opt, v in _backends(ctx).items() if v == "trtllm_mha"]
+    if offending:
+        yield _err(
+            "trtllm-mha-topk", offending + ["--speculative-eagle-topk"],
+            f"trtllm_mha supports only --speculative-eagle-topk 1; SGLang {ctx.version} raises ValueError for topk {topk}.",
+            "use --speculative-eagle-topk 1, or another attention backend (e.g. flashinfer, fa3)",
+        )  # fmt: skip
+
+
+def check_page_size_tree(ctx: Context) -> Iterator[Finding]:
+    topk = ctx.int_value("speculative_eagle_topk")
+    page = ctx.int_value("page_size")
+    if not ctx.is_eagle_family or topk is None or topk <= 1 or page is None or page <= 1:
+        return
+    allowed = ctx.behaviour.page_tree_backends
+    backend = ctx.parsed.value("attention_backend")
+    if backend is None:
+        yield _warn(
+            "page-size-tree-backend", ["--page-size", "--speculative-eagle-topk", "--attention-backend"],
+            f"--speculative-eagle-topk {topk} with --page-size {page} works in SGLang {ctx.version} only with attention "
+            f"backend {', '.join(allowed)}; none is given, so SGLang's automatic choice decides whether it starts.",
+            f"add --attention-backend {allowed[0]}",
+        )  # fmt: skip
+    elif backend not in allowed:
+        yield _err(
+            "page-size-tree-backend", ["--page-size", "--speculative-eagle-topk", "--attention-backend"],
+            f"--speculative-eagle-topk {topk} with --page-size {page} needs attention backend {' or '.join(allowed)} in "
+            f"SGLang {ctx.version}; {backend!r} raises ValueError (paged tree drafting gives wrong results there).",
+            f"use --attention-backend {allowed[0]}, --page-size 1, or --speculative-eagle-topk 1",
+        )  # fmt: skip
+
+
+def check_draft_path(ctx: Context) -> Iterator[Finding]:
+    if ctx.parsed.value("speculative_draft_model_path") is not None:
+        return
+    if ctx.algorithm == "EAGLE3":
+        yield _err(
+            "eagle3-without-draft", ["--speculative-algorithm", "--speculative-draft-model-path"],
+            "EAGLE3 without --speculative-draft-model-path: SGLang's draft worker falls back to --model-path and loads "
+            "the target itself as the drafter (wrong architecture, a second copy of the weights).",
+            "add --speculative-draft-model-path DRAFT_DIR (the exported EAGLE-3 checkpoint)",
+        )  # fmt: skip
+    elif ctx.algorithm == "STANDALONE":
+        yield _err(
+            "standalone-without-draft", ["--speculative-algorithm", "--speculative-draft-model-path"],
+            "STANDALONE speculative decoding needs a separate small draft model; without "
+            "--speculative-draft-model-path SGLang drafts with the target itself.",
+            "add --speculative-draft-model-path DRAFT_DIR",
+        )  # fmt: skip
+
+
+def check_auto_params(ctx: Context) -> Iterator[Finding]:
+    """No triple at all: SGLang picks one by target architecture, and the pick changed between versions."""
+    if not ctx.is_eagle_family or ctx.adaptive:
+        return
+    if any(item.option in ("--num-speculative-tokens", "--speculative-config") for item in ctx.parsed.items):
+        return  # the vllm-flag finding already gives the explicit triple
+    if any(ctx.parsed.given(d) for d in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")):
+        return
+    target = ctx.checkpoint("model_path")
+    arch = target.architecture if target else None
+    b = ctx.behaviour
+    if arch == "LlamaForCausalLM":
+        chosen = f"{b.auto_params_llama} for {arch}"
+    elif arch:
+        chosen = f"{b.auto_params_other} for {arch}"
+    else:
+        chosen = f"{b.auto_params_llama} for LlamaForCausalLM, {b.auto_params_other} for most other architectures"
+    yield _warn(
+        "auto-speculative-params", ["--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"],
+        f"no (num_steps, eagle_topk, num_draft_tokens) given: SGLang {ctx.version} chooses {chosen}; the choice for "
+        "non-Llama targets changed from (5, 4, 8) to (3, 1, 4) in 0.5.23, so benchmarks are not comparable across versions.",
+        "pass all three explicitly, e.g. --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+    )  # fmt: skip
+
+
+# --- checkpoint rules (read config.json and safetensors headers; never tensors) --------------------------
+
+
+def check_checkpoints(ctx: Context) -> Iterator[Finding]:
+    if ctx.algorithm != "EAGLE3" or not ctx.check_checkpoints:
+        return
+    draft_raw = ctx.parsed.value("speculative_draft_model_path")
+    target_raw = ctx.parsed.value("model_path")
+    if draft_raw is None:
+        return
+    draft = read_checkpoint(draft_raw)
+    target = read_checkpoint(target_raw) if target_raw is not None else None
+    draft_flag, target_flag = ctx.opt("speculative_draft_model_path"), ctx.opt("model_path")
+    for info, flag in ((draft, draft_flag), (target, target_flag)):
+        if info is not None and info.problem and (info.is_local or info.config is not None):
+            yield _warn("checkpoint-unreadable", [flag], f"{flag} {info.path}: {info.problem}; checkpoint checks skipped for it.", f"point {flag} at a local HF model directory with config.json")
+    if draft is None or draft.config is None:
+        return
+    b = ctx.behaviour
+    if draft.architecture not in b.eagle3_draft_architectures:
+        yield _err(
+            "draft-architecture", [draft_flag],
+            f"{draft.path}/config.json declares architectures {draft.architectures}; SGLang {ctx.version} loads an EAGLE3 "
+            f"draft only as {' or '.join(b.eagle3_draft_architectures)} (it does not rename Llama drafts).",
+            f'set "architectures": ["{b.eagle3_draft_architectures[0]}"] in the draft config.json (re-export the drafter)',
+        )  # fmt: skip
+    draft_vocab = draft.config.get("draft_vocab_size")
+    if draft.d2t_length is not None and draft_vocab is not None and draft.d2t_length != draft_vocab:
+        yield _err(
+            "draft-vocab-d2t", [draft_flag],
+            f"draft config draft_vocab_size={draft_vocab} but the d2t tensor in {draft.d2t_file} has {draft.d2t_length} "
+            "entries; SGLang maps draft ids with hot_token_id = d2t + arange(len(d2t)), which must cover the draft vocab.",
+            "re-export the drafter so draft_vocab_size equals len(d2t)",
+        )  # fmt: skip
+    vocab = draft.config.get("vocab_size")
+    if draft.d2t_length is None and draft_vocab is not None and vocab is not None and draft_vocab < vocab and not ctx.parsed.given("speculative_token_map"):
+        yield _err(
+            "draft-vocab-d2t", [draft_flag],
+            f"draft_vocab_size={draft_vocab} < vocab_size={vocab} but no d2t tensor is in the draft safetensors and no "
+            "--speculative-token-map is given: draft ids would be read as target ids.",
+            "export d2t with the drafter (or pass --speculative-token-map)",
+        )  # fmt: skip
+    if target is None or target.config is None:
+        return
+    target_hidden = target.config.get("hidden_size")
+    draft_target_hidden = draft.config.get("target_hidden_size", draft.config.get("hidden_size"))
+    if target_hidden is not None and draft_target_hidden is not None and draft_target_hidden != target_hidden:
+        key = "target_hidden_size" if "target_hidden_size" in draft.config else "hidden_size (no target_hidden_size)"
+        yield _err(
+            "draft-target-hidden-size", [draft_flag, target_flag],
+            f"draft {key}={draft_target_hidden} but the target's hidden_size is {target_hidden}: the draft's fc layer "
+            "cannot take the target's hidden states.",
+            "train/export the drafter for this target (target_hidden_size must equal the target's hidden_size)",
+        )  # fmt: skip
+    target_vocab = target.config.get("vocab_size")
+    if vocab is not None and target_vocab is not None and vocab != target_vocab:
+        yield _warn(
+            "draft-target-vocab", [draft_flag, target_flag],
+            f"draft vocab_size={vocab} differs from the target's {target_vocab}; SGLang gives the draft the target's "
+            "embedding, so d2t offsets computed for another tokenizer point at wrong tokens.",
+            "export the drafter from a dataset prepared with this target's tokenizer",
+        )  # fmt: skip
+    aux_ids = (draft.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    num_layers = target.config.get("num_hidden_layers")
+    if aux_ids is not None and num_layers is not None:
+        bad = [i for i in aux_ids if not isinstance(i, int) or i < 0 or i + 1 >= num_layers]
+        if bad:
+            yield _err(
+                "aux-layer-ids", [draft_flag, target_flag],
+                f"eagle_config.eagle_aux_hidden_state_layer_ids {aux_ids} has {bad} outside 0..{num_layers - 2}: SGLang "
+                f"captures the input of layer id+1 and the target has {num_layers} layers, so those ids are never "
+                "captured and the drafter receives fewer hidden states than it was trained on.",
+                f"use layer-output ids between 0 and {num_layers - 2} (draftline's default: [1, n//2-1, n-4])",
+            )  # fmt: skip
+        fixed = b.fixed_aux_layer_count
+        if fixed is not None and len(aux_ids) != fixed:
+            yield _err(
+                "aux-layer-count", [draft_flag],
+                f"SGLang {ctx.version}'s LlamaForCausalLMEagle3 always builds fc for {fixed} aux hidden states, but the "
+                f"draft lists {len(aux_ids)} ids ({aux_ids}); weights will not load (0.5.12+ reads the count from eagle_config).",
+                f"train with {fixed} aux layers, or run SGLang 0.5.12 or newer",
+            )  # fmt: skip
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("unknown-flag", "unknown options (did-you-mean), vLLM names mapped to SGLang's, abbreviations", check_unknown_flags),
+    Rule("stray-value", "tokens not attached to any option", check_positionals),
+    Rule("flag-value", "missing values, non-numbers, invalid choices", check_flag_values),
+    Rule("duplicate-flag", "an option given twice (last wins)", check_duplicates),
+    Rule("deprecated-flag", "deprecated options", check_deprecated),
+    Rule("required-flag", "required options missing", check_required),
+    Rule("algorithm-name", "speculative algorithm spelled as the version accepts", check_algorithm),
+    Rule("speculative-without-algorithm", "speculative tuning without an algorithm", check_spec_without_algorithm),
+    Rule("partial-speculative-triple", "topk / draft tokens without num_steps (bare AssertionError)", check_partial_triple),
+    Rule("steps-without-topk", "num_steps without topk (TypeError)", check_steps_without_topk),
+    Rule("tree-draft-tokens", "topk 1 rewrite, tree capacity, missing draft tokens", check_tree_draft_tokens),
+    Rule("trtllm-mha-topk", "trtllm_mha only with topk 1", check_trtllm_topk),
+    Rule("page-size-tree-backend", "topk > 1 with page_size > 1 needs certain backends", check_page_size_tree),
+    Rule("eagle3-without-draft", "EAGLE3 / STANDALONE without a draft path", check_draft_path),
+    Rule("auto-speculative-params", "triple chosen by SGLang (differs by version)", check_auto_params),
+    Rule("checkpoints", "draft vs target config.json / d2t / aux layer ids", check_checkpoints),
+)
+
+
+def run_rules(ctx: Context) -> list[Finding]:
+    return [finding for rule in RULES for finding in rule.check(ctx)]
+

@@ -1,0 +1,257 @@
+"""`draftline run`: the whole platform as one job.
+
+bootstrap (embedded only) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
+
+Each stage records what it was run on (a hash of its config sections and its upstream outputs) and what it produced
+in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
+is skipped, so a rerun after a failure continues where it stopped; `--from STAGE` forces that stage and what follows.
+Each stage's output also goes to `<...>/logs/<stage>.log`; the final report is printed and written as report.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from draftline.config import DraftlineConfig, config_to_yaml, write_resolved
+from draftline.utils import atomic_write_json, read_json, stable_hash
+
+
+@dataclass
+class Context:
+    cfg: DraftlineConfig
+    outputs: dict[str, dict] = field(default_factory=dict)  # stage -> its recorded outputs
+    keep_serving: bool = False
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[Context], dict]
+    # Config sections and upstream stages the stage's result depends on (its skip key).
+    sections: tuple[str, ...]
+    upstream: tuple[str, ...]
+    applies: Callable[[DraftlineConfig], bool] = lambda cfg: True
+    # Outputs that must still exist for a recorded result to count (paths).
+    output_paths: tuple[str, ...] = ()
+
+
+def _stage_bootstrap(ctx: Context) -> dict:
+    from draftline.target.bootstrap import bootstrap_summary, bootstrap_target
+
+    target_dir = bootstrap_target(ctx.cfg)
+    return {"target_dir": str(target_dir), **bootstrap_summary(target_dir)}
+
+
+def _target_dir(ctx: Context) -> Path:
+    from draftline.target.load import resolve_target_dir
+
+    if "bootstrap" in ctx.outputs:
+        return Path(ctx.outputs["bootstrap"]["target_dir"])
+    return resolve_target_dir(ctx.cfg)
+
+
+def _stage_prepare(ctx: Context) -> dict:
+    from draftline.data.prepare import prepare, summary_text
+
+    dataset_dir = prepare(ctx.cfg, _target_dir(ctx))
+    print(summary_text(dataset_dir))
+    return {"dataset_dir": str(dataset_dir), "report": read_json(dataset_dir / "report.json")["samples"]}
+
+
+def _stage_extract(ctx: Context) -> dict:
+    from draftline.extract.run import extract_with_stats, summary_text
+
+    result = extract_with_stats(ctx.cfg, ctx.outputs["prepare"]["dataset_dir"])
+    print(summary_text(list(result.splits.values())))
+    return {
+        "hidden_dir": str(result.location),
+        "splits": {name: r.manifest_summary() for name, r in result.splits.items()},
+    }
+
+
+def _stage_train(ctx: Context) -> dict:
+    from draftline.train.run import train
+
+    result = train(
+        ctx.cfg,
+        hidden_dir=ctx.outputs["extract"]["hidden_dir"],
+        dataset_dir=ctx.outputs["prepare"]["dataset_dir"],
+        target_dir=_target_dir(ctx),
+    )
+    return result.to_record()
+
+
+def _stage_gate(ctx: Context) -> dict:
+    from draftline.gate import run_gate
+
+    verdict = run_gate(ctx.cfg, version=ctx.outputs["train"]["model_version"])
+    return verdict.to_record()
+
+
+def _stage_promote(ctx: Context) -> dict:
+    from draftline.registry import promote
+
+    gate = ctx.outputs["gate"]
+    if not gate["passed"]:
+        print(f"[promote] version {gate['version']} failed the gate: {'; '.join(gate['reasons'])}; champion unchanged")
+        return {"promoted": False, "version": gate["version"]}
+    promote(ctx.cfg, gate["version"])
+    return {"promoted": True, "version": gate["version"]}
+
+
+def _stage_serve(ctx: Context) -> dict:
+    from draftline.serving.control import serve_champion, smoke_chat_completion
+
+    url = serve_champion(ctx.cfg)
+    reply = smoke_chat_completion(ctx.cfg, url)
+    print(f"[serve] {url}/v1/chat/completions -> {reply['content']!r} (version {reply['version']})")
+    return {"url": url, "version": reply["version"], "completion": reply["content"]}
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind == "embedded",
+          output_paths=("target_dir",)),
+    Stage("prepare", _stage_prepare, ("data",), ("bootstrap",), output_paths=("dataset_dir",)),
+    Stage("extract", _stage_extract, ("extract", "target"), ("prepare",), output_paths=("hidden_dir",)),
+    Stage("train", _stage_train, ("train", "tracking"), ("extract",), output_paths=("export_dir",)),
+    Stage("gate", _stage_gate, ("gate", "bench", "engine"), ("train",)),
+    Stage("promote", _stage_promote, ("tracking",), ("gate",)),
+    Stage("serve", _stage_serve, ("serve", "engine"), ("promote",)),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def pipeline_dir(cfg: DraftlineConfig) -> Path:
+    return cfg.data_path("pipeline", cfg.name)
+
+
+def stage_key(cfg: DraftlineConfig, stage: Stage, outputs: dict[str, dict]) -> str:
+    dumped = cfg.model_dump(mode="json")
+    upstream = {name: outputs.get(name) for name in stage.upstream}
+    return stable_hash({s: dumped[s] for s in stage.sections}, upstream)[:16]
+
+
+def _record_is_valid(record: dict, key: str, stage: Stage) -> bool:
+    if record.get("key") != key:
+        return False
+    out = record.get("outputs", {})
+    return all(p in out and (str(out[p]).startswith(("s3://", "gs://")) or Path(out[p]).exists()) for p in stage.output_paths)
+
+
+class _Tee:
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, data: str) -> int:
+        for s in self.streams:
+            s.write(data)
+            s.flush()
+        return len(data)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+    def isatty(self) -> bool:
+        return self.streams[0].isatty()
+
+    def fileno(self) -> int:
+        return self.streams[0].fileno()
+
+
+@contextlib.contextmanager
+def _stage_log(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
+def plan(cfg: DraftlineConfig, from_stage: str | None = None) -> list[str]:
+    names = [s.name for s in STAGES if s.applies(cfg)]
+    if from_stage is not None and from_stage not in names:
+        raise ValueError(f"--from {from_stage!r}: not a stage of this config; choose one of {', '.join(names)}")
+    return names
+
+
+def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_serving: bool = False) -> dict:
+    """Run (or skip) every stage; returns {stage: {"status", "seconds", "outputs"}}."""
+    from rich.console import Console
+
+    console = Console()
+    names = plan(cfg, from_stage)
+    root = pipeline_dir(cfg)
+    write_resolved(cfg, root)
+    ctx = Context(cfg=cfg, keep_serving=keep_serving)
+    summary: dict[str, dict] = {}
+    forced = False
+    for stage in STAGES:
+        if stage.name not in names:
+            continue
+        forced = forced or stage.name == from_stage
+        # A live service cannot be "already done": with --serve the serve stage always runs.
+        stage_forced = forced or (stage.name == "serve" and keep_serving)
+        key = stage_key(cfg, stage, ctx.outputs)
+        record_path = root / "stages" / f"{stage.name}.json"
+        record = read_json(record_path) if record_path.exists() else {}
+        if not stage_forced and _record_is_valid(record, key, stage):
+            ctx.outputs[stage.name] = record["outputs"]
+            summary[stage.name] = {"status": "skipped", "seconds": 0.0, "outputs": record["outputs"]}
+            console.print(f"[bold]{stage.name}[/bold]: skipped (inputs unchanged since {record.get('finished_at')})")
+            continue
+        console.rule(f"[bold]{stage.name}")
+        started = time.monotonic()
+        with _stage_log(root / "logs" / f"{stage.name}.log"):
+            outputs = stage.run(ctx)
+        seconds = time.monotonic() - started
+        ctx.outputs[stage.name] = outputs
+        atomic_write_json(record_path, {"key": key, "outputs": outputs, "seconds": seconds,
+                                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        summary[stage.name] = {"status": "ran", "seconds": seconds, "outputs": outputs}
+        console.print(f"[bold]{stage.name}[/bold]: done in {seconds:.1f} s")
+    from draftline.report import write_report
+
+    write_report(cfg, summary, root)
+    return summary
+
+
+def _cmd(args) -> int:
+    from draftline.cli import config_from_args
+
+    cfg = config_from_args(args)
+    names = plan(cfg, args.from_stage)
+    if args.dry_run:
+        print("# resolved config")
+        print(config_to_yaml(cfg))
+        print("# stages: " + " -> ".join(names))
+        if args.from_stage:
+            print(f"# forced from: {args.from_stage}")
+        return 0
+    summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve)
+    if args.serve and "serve" in summary:
+        from draftline.serving.control import block_until_interrupted
+
+        block_until_interrupted(cfg)
+    return 0
+
+
+def register(subparsers) -> None:
+    from draftline.cli import add_config_args
+
+    parser = subparsers.add_parser("run", help="run the whole pipeline (stages whose inputs are unchanged are skipped)")
+    add_config_args(parser)
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved config and the stages")
+    parser.add_argument("--from", dest="from_stage", choices=STAGE_NAMES, help="force this stage and the ones after it")
+    parser.add_argument("--serve", action="store_true", help="keep serving the champion after the pipeline (Ctrl-C stops)")
+    parser.set_defaults(func=_cmd)

@@ -1,0 +1,255 @@
+"""Stage 1 (embedded default only): build a tiny real target LLM on this machine.
+
+No hub download: a byte-level BPE tokenizer and a small `LlamaForCausalLM` are trained on (signature, docstring)
+pairs from Python's standard library, formatted with a chat template. The result is saved with `save_pretrained`
+so it loads like any HF model (and would load in SGLang on a GPU). The same directory gets `conversations.jsonl`:
+prompts answered greedily by the target itself, so the drafter learns the target's own distribution.
+
+Deterministic from the seed; cached by content hash under `<data_dir>/targets/`, so a second run is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from draftline.config import DraftlineConfig, write_resolved
+from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
+from draftline.utils import atomic_write_json, read_json, split_of, stable_fraction, stable_hash
+
+BOS, END, PAD = "<|bos|>", "<|end|>", "<|pad|>"
+SPECIAL_TOKENS = [PAD, BOS, END, "<|system|>", "<|user|>", "<|assistant|>"]
+# Every turn is <|role|>content<|end|>; the reply the model must learn is the assistant content plus <|end|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DONE_MARKER = "bootstrap.json"
+
+
+def _log(msg: str) -> None:
+    print(f"[bootstrap-target] {msg}", flush=True)
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=END, pad_token=PAD)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _chat_text(tokenizer, pair: DocPair) -> str:
+    messages = [{"role": "user", "content": pair.prompt}, {"role": "assistant", "content": pair.answer}]
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
+def _perplexity(model, stream: torch.Tensor, seq_len: int, batch_size: int = 16) -> float:
+    model.eval()
+    n_chunks = (len(stream) - 1) // seq_len
+    chunks = stream[: n_chunks * seq_len + 1]
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, n_chunks, batch_size):
+        idx = torch.arange(start, min(start + batch_size, n_chunks))
+        inputs = torch.stack([chunks[i * seq_len : (i + 1) * seq_len] for i in idx])
+        labels = torch.stack([chunks[i * seq_len + 1 : (i + 1) * seq_len + 1] for i in idx])
+        logits = model(input_ids=inputs).logits
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+        total_nll += float(nll)
+        total_tokens += labels.numel()
+    return math.exp(total_nll / max(total_tokens, 1))
+
+
+def _unigram_perplexity(train_stream: torch.Tensor, eval_stream: torch.Tensor, vocab_size: int) -> float:
+    counts = torch.bincount(train_stream, minlength=vocab_size).double() + 1.0  # add-one smoothing
+    log_probs = (counts / counts.sum()).log()
+    return math.exp(-float(log_probs[eval_stream].mean()))
+
+
+def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    emb = cfg.target.embedded
+    torch.manual_seed(cfg.seed)
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=emb.hidden_size,
+        intermediate_size=emb.intermediate_size,
+        num_hidden_layers=emb.num_layers,
+        num_attention_heads=emb.num_attention_heads,
+        num_key_value_heads=emb.num_key_value_heads,
+        max_position_embeddings=emb.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(model_config)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=emb.train_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, emb.train_steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, emb.train_steps) / emb.train_steps)),
+    )
+    generator = torch.Generator().manual_seed(cfg.seed)
+    seq_len = emb.train_seq_len
+    max_start = len(train_stream) - seq_len - 1
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("[bootstrap-target] training tiny LM"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn(),
+    ) as progress:
+        task = progress.add_task("train", total=emb.train_steps, loss=float("nan"))
+        for _ in range(emb.train_steps):
+            starts = torch.randint(0, max_start, (emb.train_batch_size,), generator=generator)
+            batch = torch.stack([train_stream[s : s + seq_len + 1] for s in starts])
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            progress.update(task, advance=1, loss=loss.item())
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32) -> list[str]:
+    tokenizer.padding_side = "left"
+    replies: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in chunk]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for row in out[:, enc["input_ids"].shape[1] :]:
+            replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+    tokenizer.padding_side = "right"
+    return replies
+
+
+def target_cache_key(cfg: DraftlineConfig, pairs: list[DocPair]) -> str:
+    return stable_hash(cfg.target.embedded.model_dump(mode="json"), cfg.seed, corpus_hash(pairs))[:16]
+
+
+def bootstrap_target(cfg: DraftlineConfig) -> Path:
+    """Build (or find in the cache) the embedded tiny target. Returns its HF directory."""
+    if cfg.target.kind != "embedded":
+        raise ValueError(f"bootstrap-target builds the embedded target only; target.kind is {cfg.target.kind!r}")
+    emb = cfg.target.embedded
+    pairs = stdlib_doc_pairs(emb.corpus_max_bytes)
+    out_dir = cfg.data_path("targets", f"{cfg.target.name}-{target_cache_key(cfg, pairs)}")
+    if (out_dir / DONE_MARKER).exists():
+        _log(f"cached: {out_dir}")
+        return out_dir
+
+    started = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    # Held-out pairs measure perplexity; the LM never trains on them.
+    heldout = [p for p in pairs if stable_fraction("lm:" + p.key) < 0.05]
+    train_pairs = [p for p in pairs if stable_fraction("lm:" + p.key) >= 0.05]
+    _log(f"{len(pairs)} stdlib docstring pairs ({len(train_pairs)} train, {len(heldout)} held out)")
+
+    tokenizer = _train_tokenizer([p.prompt + "\n" + p.answer for p in train_pairs], emb.vocab_size)
+    train_stream = _token_stream(tokenizer, [_chat_text(tokenizer, p) for p in train_pairs])
+    heldout_stream = _token_stream(tokenizer, [_chat_text(tokenizer, p) for p in heldout])
+    _log(f"tokenizer: {len(tokenizer)} tokens; train stream {len(train_stream)} tokens")
+
+    model = _train_lm(cfg, tokenizer, train_stream)
+    ppl = _perplexity(model, heldout_stream, emb.train_seq_len)
+    unigram_ppl = _unigram_perplexity(train_stream, heldout_stream, len(tokenizer))
+    _log(f"held-out perplexity {ppl:.1f} (unigram {unigram_ppl:.1f}, uniform {len(tokenizer)})")
+
+    # Conversation prompts: a deterministic sample of all pairs (answers come from the target, not the docstring).
+    chosen = sorted(pairs, key=lambda p: stable_fraction("conv:" + p.key))[: emb.num_conversations]
+    replies = _generate_replies(model, tokenizer, [p.prompt for p in chosen], emb.reply_max_new_tokens)
+
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    with open(tmp_dir / "conversations.jsonl", "w") as handle:
+        for pair, reply in zip(chosen, replies):
+            messages = [{"role": "user", "content": pair.prompt}, {"role": "assistant", "content": reply}]
+            handle.write(json.dumps({"id": pair.key, "messages": messages}) + "\n")
+    split_counts: dict[str, int] = {}
+    for pair in chosen:
+        split = split_of(pair.key, cfg.data.split.val_fraction, cfg.data.split.bench_fraction)
+        split_counts[split] = split_counts.get(split, 0) + 1
+    summary = {
+        "heldout_perplexity": ppl,
+        "unigram_perplexity": unigram_ppl,
+        "uniform_perplexity": len(tokenizer),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "corpus_hash": corpus_hash(pairs),
+        "corpus_pairs": len(pairs),
+        "train_tokens": len(train_stream),
+        "num_conversations": len(chosen),
+        "conversation_splits": split_counts,
+        "build_seconds": round(time.monotonic() - started, 1),
+    }
+    write_resolved(cfg, tmp_dir)
+    atomic_write_json(tmp_dir / DONE_MARKER, summary)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp_dir, out_dir)
+    _log(f"wrote {out_dir} in {summary['build_seconds']} s")
+    return out_dir
+
+
+def bootstrap_summary(target_dir: Path) -> dict:
+    return read_json(Path(target_dir) / DONE_MARKER)
+
+
+def _cmd(args) -> int:
+    from draftline.cli import config_from_args
+
+    cfg = config_from_args(args)
+    out = bootstrap_target(cfg)
+    summary = bootstrap_summary(out)
+    print(json.dumps({"target_dir": str(out), **summary}, indent=2))
+    return 0
+
+
+def register(subparsers) -> None:
+    from draftline.cli import add_config_args
+
+    parser = subparsers.add_parser("bootstrap-target", help="build the embedded tiny target (cached)")
+    add_config_args(parser)
+    parser.set_defaults(func=_cmd)

@@ -1,0 +1,70 @@
+"""Small shared helpers: stable hashing, atomic writes, checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def stable_hash(*parts: Any) -> str:
+    """A hex digest that is the same on every machine and Python run (unlike `hash()`)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(json.dumps(part, sort_keys=True, default=str).encode())
+        digest.update(b"\x00")
+    return digest.hexdigest()
+
+
+def stable_fraction(key: str) -> float:
+    """Map a key to [0, 1) deterministically; used for train/val/bench splits."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / float(16**12)
+
+
+def split_of(key: str, val_fraction: float, bench_fraction: float) -> str:
+    u = stable_fraction(key)
+    if u < bench_fraction:
+        return "bench"
+    if u < bench_fraction + val_fraction:
+        return "val"
+    return "train"
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())

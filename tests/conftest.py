@@ -1,0 +1,59 @@
+"""Shared fixtures. The Ray cluster is real: started once per test session on 127.0.0.1 (see draftline.raycluster)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from draftline.raycluster import ensure_ray
+
+    # 4 logical CPUs on a 2-core machine: Ray Train needs a CPU for its controller besides 2 workers.
+    ensure_ray(num_cpus=int(os.environ.get("DRAFTLINE_TEST_RAY_CPUS", "4")))
+    yield ray
+    ray.shutdown()
+
+# A smaller embedded target for tests: still a real trained LM, built in about a minute, cached across test runs.
+TEST_OVERRIDES = [
+    "target.embedded.num_layers=8",
+    "target.embedded.hidden_size=96",
+    "target.embedded.intermediate_size=256",
+    "target.embedded.train_steps=150",
+    "target.embedded.num_conversations=200",
+    "target.embedded.reply_max_new_tokens=40",
+    "data.draft_vocab_size=512",
+]
+
+
+def make_test_config(data_dir: str | Path | None = None, extra: list[str] | None = None):
+    from draftline.config import load_config
+
+    data_dir = data_dir or os.environ.get("DRAFTLINE_TEST_DATA_DIR", str(REPO / ".draftline-test"))
+    return load_config(REPO / "configs" / "tiny-cpu.yaml", TEST_OVERRIDES + [f"data_dir={data_dir}"] + list(extra or []))
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return make_test_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tiny_cfg):
+    from draftline.target.bootstrap import bootstrap_target
+
+    return bootstrap_target(tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset_dir(tiny_cfg, tiny_target_dir):
+    from draftline.data.prepare import prepare
+
+    return prepare(tiny_cfg, tiny_target_dir)

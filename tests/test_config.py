@@ -1,0 +1,82 @@
+"""Config loading: YAML + dotted overrides, strict fields, errors that name file, line and field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from draftline.config import ConfigError, load_config
+from conftest import REPO
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.name
+
+
+def test_production_configs_have_real_shapes():
+    llama = load_config(REPO / "configs" / "llama3.1-8b-4xgpu.yaml")
+    assert (llama.target.hidden_size, llama.target.vocab_size, llama.target.num_layers) == (4096, 128256, 32)
+    assert llama.train.num_workers == 4 and llama.train.use_gpu and llama.train.dtype == "bfloat16"
+    assert llama.extract.aux_layer_ids == [1, 15, 28]
+    kimi = load_config(REPO / "configs" / "kimi-k2.5.yaml")
+    assert kimi.target.hidden_size == 7168 and kimi.train.num_workers == 4
+
+
+def test_override_changes_nested_value_and_type():
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["train.lr=1e-4", "bench.concurrency=[1,2,8]"])
+    assert cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.bench.concurrency == [1, 2, 8]
+
+
+def test_unknown_field_names_file_line_and_path(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\ntrain:\n  lr: 0.1\n  learning_rate: 0.2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert str(path) in msg and "line 4" in msg and "train.learning_rate" in msg and "unknown field" in msg
+
+
+def test_bad_value_from_override_is_attributed_to_the_override():
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "tiny-cpu.yaml", ["train.zero_stage=5"])
+    assert "train.zero_stage" in str(err.value) and "command-line override" in str(err.value)
+
+
+def test_malformed_override_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, ["train.lr"])
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="val_fraction \\+ bench_fraction"):
+        load_config(None, ["data.split.val_fraction=0.6", "data.split.bench_fraction=0.5"])
+    with pytest.raises(ConfigError, match="target.path"):
+        load_config(None, ["target.kind=hf"])
+
+
+def test_dry_run_prints_resolved_config_and_stages():
+    out = subprocess.run(
+        [sys.executable, "-m", "draftline.cli", "run", "--config", str(REPO / "configs" / "tiny-cpu.yaml"), "--dry-run", "train.max_steps=7"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "max_steps: 7" in out.stdout and "bootstrap" in out.stdout and "train" in out.stdout
+
+
+def test_dry_run_fails_on_config_error():
+    out = subprocess.run(
+        [sys.executable, "-m", "draftline.cli", "run", "--config", str(REPO / "configs" / "tiny-cpu.yaml"), "--dry-run", "train.nope=1"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert out.returncode == 2 and "train.nope" in out.stderr

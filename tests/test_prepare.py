@@ -1,0 +1,110 @@
+"""Data prep on the tiny target: splits, masks, vocab, and bad input (file + line, counted, skip or fail)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftline.data.conversations import DataError, read_conversations
+from draftline.data.prepare import load_split, load_vocab, prepare
+from draftline.utils import read_json
+from conftest import make_test_config
+
+GOOD = {"messages": [{"role": "user", "content": "What does `def f(x)` do?"}, {"role": "assistant", "content": "Return the value."}]}
+
+
+def _write(path, lines):
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+def test_prepare_tiny_target(tiny_cfg, tiny_dataset_dir):
+    report = read_json(tiny_dataset_dir / "report.json")
+    assert report["bad_input"]["count"] == 0
+    train = load_split(tiny_dataset_dir, "train")
+    assert len(train) == report["samples"]["train"] > 0
+    assert all(len(s["input_ids"]) == len(s["loss_mask"]) and any(s["loss_mask"]) for s in train)
+    d2t, t2d = load_vocab(tiny_dataset_dir)
+    assert d2t.shape[0] == tiny_cfg.data.draft_vocab_size and int(t2d.sum()) == tiny_cfg.data.draft_vocab_size
+    assert (tiny_dataset_dir / "resolved_config.yaml").exists()
+    # Splits are disjoint and stable.
+    ids = {split: {s["id"] for s in load_split(tiny_dataset_dir, split)} for split in ("train", "val", "bench")}
+    assert not ids["train"] & ids["val"] and not ids["train"] & ids["bench"]
+
+
+def test_second_prepare_is_cached(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
+    assert prepare(tiny_cfg, tiny_target_dir) == tiny_dataset_dir
+
+
+BAD_LINES = [
+    GOOD,
+    "{not json",
+    {"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "user", "content": "only a question"}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Return the value."}]},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "word " * 400}]},
+]
+
+
+def test_reader_names_file_and_line(tmp_path):
+    path = _write(tmp_path / "conv.jsonl", BAD_LINES)
+    good, bad = read_conversations(path)
+    assert [c.line for c in good] == [1, 5, 6]
+    assert good[1].messages[1] == {"role": "assistant", "content": "Return the value."}
+    assert [(b.line, b.kind) for b in bad] == [(2, "malformed"), (3, "unknown_role"), (4, "no_assistant")]
+    assert all(str(path) in str(b) for b in bad)
+    assert "wizard" in str(bad[1]) and "allowed" in str(bad[1])
+
+
+def test_parquet_input(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "conv.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "a", **GOOD}]), path)
+    good, bad = read_conversations(path)
+    assert not bad and good[0].id == "a" and good[0].messages == GOOD["messages"]
+
+
+def test_skip_policy_counts_every_problem(tmp_path, tiny_target_dir):
+    path = _write(tmp_path / "conv.jsonl", BAD_LINES * 3)
+    cfg = make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.max_seq_len=64", "data.over_length=skip",
+                                             "data.split.val_fraction=0.0", "data.split.bench_fraction=0.0", "data.draft_vocab_size=64"])
+    out = prepare(cfg, tiny_target_dir)
+    report = read_json(out / "report.json")
+    assert report["bad_input"]["by_kind"] == {"malformed": 3, "unknown_role": 3, "no_assistant": 3, "over_length": 3}
+    assert report["bad_input"]["count"] == 12 and len(report["bad_input"]["items"]) == 12
+    assert report["samples"]["train"] == 6  # GOOD and its ShareGPT twin, three copies each (ids default to file:line)
+    assert report["records_read"] == 18
+
+
+def test_duplicate_ids_are_reported(tmp_path, tiny_target_dir):
+    path = _write(tmp_path / "conv.jsonl", [{"id": "same", **GOOD}, {"id": "same", **GOOD}])
+    cfg = make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.split.val_fraction=0.0",
+                                             "data.split.bench_fraction=0.0", "data.draft_vocab_size=64"])
+    report = read_json(prepare(cfg, tiny_target_dir) / "report.json")
+    assert report["samples"]["train"] == 1
+    assert report["bad_input"]["items"] == [f"{path}:2: bad_field: duplicate id 'same'; ids must be unique"]
+
+
+def test_fail_policy_lists_all_problems(tmp_path, tiny_target_dir):
+    path = _write(tmp_path / "conv.jsonl", BAD_LINES)
+    cfg = make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.on_bad_input=fail"])
+    with pytest.raises(DataError) as err:
+        prepare(cfg, tiny_target_dir)
+    msg = str(err.value)
+    assert f"{path}:2: malformed" in msg and f"{path}:3: unknown_role" in msg and f"{path}:4: no_assistant" in msg
+    assert "data.on_bad_input=skip" in msg
+    assert not (tmp_path / "dd" / "datasets").exists() or not any((tmp_path / "dd" / "datasets").glob("*/manifest.json"))
+
+
+def test_over_length_truncate_and_fail(tmp_path, tiny_target_dir):
+    path = _write(tmp_path / "conv.jsonl", [BAD_LINES[5], GOOD])
+    cfg = make_test_config(tmp_path / "a", [f"data.conversations={path}", "data.max_seq_len=64", "data.split.val_fraction=0.0",
+                                            "data.split.bench_fraction=0.0", "data.draft_vocab_size=64"])
+    report = read_json(prepare(cfg, tiny_target_dir) / "report.json")
+    assert report["truncated"] == 1 and report["samples"]["train"] == 2
+    cfg = make_test_config(tmp_path / "b", [f"data.conversations={path}", "data.max_seq_len=64", "data.over_length=fail"])
+    with pytest.raises(DataError, match="conv.jsonl:1: over_length"):
+        prepare(cfg, tiny_target_dir)

@@ -120,7 +120,9 @@ class TrainConfig(Strict):
 
 
 class TrackingConfig(Strict):
-    tracking_uri: Optional[str] = Field(None, description="MLflow tracking URI; default sqlite:///<data_dir>/mlflow.db")
+    tracking_uri: Optional[str] = Field(
+        None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///<data_dir>/mlflow.db"
+    )
     artifact_location: Optional[str] = Field(None, description="default <data_dir>/mlruns")
     experiment: str = "draftline"
     registered_model: Optional[str] = Field(None, description="default draftline-<target.name>")
@@ -231,7 +233,7 @@ class DraftlineConfig(Strict):
 
     @property
     def mlflow_tracking_uri(self) -> str:
-        return self.tracking.tracking_uri or f"sqlite:///{self.data_path('mlflow.db')}"
+        return self.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.data_path('mlflow.db')}"
 
     @property
     def mlflow_artifact_location(self) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from draftline.config import DraftlineConfig, config_to_yaml, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
 from draftline.utils import atomic_write_json, read_json, stable_hash
 
 
@@ -178,19 +178,25 @@ def _stage_log(path: Path):
             sys.stdout, sys.stderr = out, err
 
 
-def plan(cfg: DraftlineConfig, from_stage: str | None = None) -> list[str]:
+def plan(cfg: DraftlineConfig, from_stage: str | None = None, until: str | None = None) -> list[str]:
     names = [s.name for s in STAGES if s.applies(cfg)]
+    for flag, stage in (("--from", from_stage), ("--until", until)):
+        if stage is not None and stage not in names:
+            raise ConfigError(f"{flag} {stage!r}: not a stage of this config; choose one of {', '.join(names)}")
+    if until is not None:
+        names = names[: names.index(until) + 1]
     if from_stage is not None and from_stage not in names:
-        raise ValueError(f"--from {from_stage!r}: not a stage of this config; choose one of {', '.join(names)}")
+        raise ConfigError(f"--from {from_stage!r} comes after --until {until!r}")
     return names
 
 
-def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_serving: bool = False) -> dict:
+def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_serving: bool = False,
+                 until: str | None = None) -> dict:
     """Run (or skip) every stage; returns {stage: {"status", "seconds", "outputs"}}."""
     from rich.console import Console
 
     console = Console()
-    names = plan(cfg, from_stage)
+    names = plan(cfg, from_stage, until)
     root = pipeline_dir(cfg)
     write_resolved(cfg, root)
     ctx = Context(cfg=cfg, keep_serving=keep_serving)
@@ -230,7 +236,7 @@ def _cmd(args) -> int:
     from draftline.cli import config_from_args
 
     cfg = config_from_args(args)
-    names = plan(cfg, args.from_stage)
+    names = plan(cfg, args.from_stage, args.until)
     if args.dry_run:
         print("# resolved config")
         print(config_to_yaml(cfg))
@@ -238,7 +244,7 @@ def _cmd(args) -> int:
         if args.from_stage:
             print(f"# forced from: {args.from_stage}")
         return 0
-    summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve)
+    summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until)
     if args.serve and "serve" in summary:
         from draftline.serving.control import block_until_interrupted
 
@@ -253,5 +259,6 @@ def register(subparsers) -> None:
     add_config_args(parser)
     parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved config and the stages")
     parser.add_argument("--from", dest="from_stage", choices=STAGE_NAMES, help="force this stage and the ones after it")
+    parser.add_argument("--until", choices=STAGE_NAMES, help="stop after this stage (e.g. promote, when a RayService serves)")
     parser.add_argument("--serve", action="store_true", help="keep serving the champion after the pipeline (Ctrl-C stops)")
     parser.set_defaults(func=_cmd)

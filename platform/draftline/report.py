@@ -1,0 +1,120 @@
+"""The pipeline's final report: a table printed and written as Markdown, and PNG plots logged to MLflow.
+
+Reads only the stage records (`pipeline.run_pipeline` summary) and the training run's metric history.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from draftline.config import DraftlineConfig
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def report_rows(summary: dict[str, dict]) -> list[tuple[str, str]]:
+    out = {name: s.get("outputs", {}) for name, s in summary.items()}
+    rows: list[tuple[str, str]] = []
+    boot = out.get("bootstrap")
+    if boot:
+        rows.append(("target held-out perplexity (uniform)", f"{_fmt(boot.get('heldout_perplexity'), 1)} ({boot.get('uniform_perplexity')})"))
+    train = out.get("train")
+    if train:
+        val = train.get("val_metrics", {})
+        acc = [val.get(f"acc_{k}") for k in range(len([k for k in val if k.startswith("acc_")]))]
+        rows.append(("registered version", f"{train.get('model_name')} v{train.get('model_version')}"))
+        rows.append(("val acc per position", " ".join(_fmt(a) for a in acc) or "-"))
+        rows.append(("est accept length (val)", _fmt(val.get("est_accept_len"))))
+    gate = out.get("gate")
+    if gate:
+        bench = gate.get("bench", {})
+        rows.append(("measured accept length", _fmt(bench.get("accept_length"))))
+        rows.append(("speedup vs target-only", _fmt(bench.get("speedup")) + "x" if bench.get("speedup") else "-"))
+        rows.append(("output tokens/s (spec / target-only)", f"{_fmt(bench.get('tokens_per_s'), 1)} / {_fmt(bench.get('baseline_tokens_per_s'), 1)}"))
+        rows.append(("TTFT p50 / ITL p50 / ITL p99 (ms)", f"{_fmt(bench.get('ttft_p50_ms'), 1)} / {_fmt(bench.get('itl_p50_ms'), 1)} / {_fmt(bench.get('itl_p99_ms'), 1)}"))
+        rows.append(("lossless (greedy)", _fmt(bench.get("lossless"))))
+        verdict = "passed" if gate.get("passed") else "failed: " + "; ".join(gate.get("reasons", []))
+        rows.append(("gate verdict", verdict))
+    promote = out.get("promote")
+    if promote:
+        rows.append(("champion", f"v{promote.get('version')}" + ("" if promote.get("promoted") else " (not promoted)")))
+    serve = out.get("serve")
+    if serve:
+        rows.append(("served URL", f"{serve.get('url')}/v1/chat/completions (version {serve.get('version')})"))
+        rows.append(("served completion", repr(serve.get("completion"))[:120]))
+    rows.append(("stages", ", ".join(f"{n}: {s['status']} {s['seconds']:.0f}s" for n, s in summary.items())))
+    return rows
+
+
+def _plots(cfg: DraftlineConfig, summary: dict[str, dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from draftline.tracking import mlflow_client
+
+    written: list[Path] = []
+    train = summary.get("train", {}).get("outputs", {})
+    run_id = train.get("run_id")
+    if run_id:
+        client = mlflow_client(cfg)
+        keys = sorted(k for k in client.get_run(run_id).data.metrics if k.startswith(("acc_", "loss_", "val_acc_")))
+        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+        for key in keys:
+            history = client.get_metric_history(run_id, key)
+            steps = [m.step for m in history]
+            values = [m.value for m in history]
+            (ax_loss if key.startswith("loss_") else ax_acc).plot(steps, values, label=key)
+        ax_loss.set(title="train loss_k", xlabel="step")
+        ax_acc.set(title="acc_k (train and val)", xlabel="step", ylim=(0, 1))
+        ax_loss.legend(fontsize=7)
+        ax_acc.legend(fontsize=6, ncol=2)
+        path = out_dir / "training_curves.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    accept_lengths = summary.get("gate", {}).get("outputs", {}).get("bench", {}).get("per_request_accept_lengths")
+    if accept_lengths:
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        ax.hist(accept_lengths, bins=20, color="tab:blue")
+        ax.set(title="accept length per request (bench)", xlabel="tokens per verify step", ylabel="requests")
+        path = out_dir / "accept_length_hist.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    if run_id and written:
+        client = mlflow_client(cfg)
+        for path in written:
+            client.log_artifact(run_id, str(path), artifact_path="report")
+    return written
+
+
+def write_report(cfg: DraftlineConfig, summary: dict[str, dict], out_dir: Path) -> Path:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = report_rows(summary)
+    table = Table(title=f"draftline report: {cfg.name}")
+    table.add_column("what")
+    table.add_column("value")
+    for what, value in rows:
+        table.add_row(what, value)
+    Console().print(table)
+    plots = _plots(cfg, summary, out_dir)
+    lines = [f"# draftline report: {cfg.name}", "", "| what | value |", "|---|---|"]
+    lines += [f"| {what} | {value.replace('|', '/')} |" for what, value in rows]
+    lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"report: {path}" + (f"; plots: {', '.join(p.name for p in plots)} (also in MLflow)" if plots else ""))
+    return path

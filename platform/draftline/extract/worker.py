@@ -1,0 +1,240 @@
+"""One extraction worker: load the target, run batched forwards, write the shards this rank owns.
+
+Runs inside a Ray Train worker (`extract_loop_per_worker`); the per-shard functions are plain functions so tests
+can call them in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from draftline.extract.shards import (
+    TORCH_DTYPES,
+    EncodedShard,
+    complete_shard_record,
+    encode_shard,
+    num_shards,
+    shard_sample_range,
+    shards_of_worker,
+    write_shard,
+)
+from draftline.extract.storage import Storage
+from draftline.target.capture import capture_aux_hidden
+
+
+@dataclass
+class SplitTokens:
+    """A split's token ids and loss masks as flat arrays (cheap to put in Ray's object store once for all workers)."""
+
+    input_ids: np.ndarray  # int64 [total_tokens]
+    loss_mask: np.ndarray  # uint8 [total_tokens]
+    offsets: np.ndarray  # int64 [num_samples + 1]
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[dict]) -> "SplitTokens":
+        lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        input_ids = np.fromiter((t for s in samples for t in s["input_ids"]), dtype=np.int64, count=int(offsets[-1]))
+        loss_mask = np.fromiter((m for s in samples for m in s["loss_mask"]), dtype=np.uint8, count=int(offsets[-1]))
+        return cls(input_ids=input_ids, loss_mask=loss_mask, offsets=offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return torch.from_numpy(self.input_ids[start:end].copy()), torch.from_numpy(self.loss_mask[start:end].copy())
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+def right_padded_batch(sequences: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token id sequences with padding on the right; mask is 1 on real tokens."""
+    longest = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(sequences), longest), dtype=torch.int64)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence)] = sequence
+        attention_mask[row, : len(sequence)] = 1
+    return input_ids, attention_mask
+
+
+def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices batched longest-first, so each batch pads little."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def hidden_states_for_samples(
+    model,
+    sequences: Sequence[torch.Tensor],
+    aux_layer_ids: Sequence[int],
+    batch_size: int,
+    pad_id: int,
+    out_dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(aux_hidden [T, n_aux*H], final_hidden [T, H]) per sequence, in input order, on CPU in `out_dtype`.
+
+    Right padding keeps every real token at the same positions (and the same causal context) as when it runs alone.
+    """
+    results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
+    for batch_indices in length_sorted_batches([len(s) for s in sequences], batch_size):
+        input_ids, attention_mask = right_padded_batch([sequences[i] for i in batch_indices], pad_id)
+        aux_hidden, final_hidden = capture_aux_hidden(model, input_ids.to(device), attention_mask.to(device), aux_layer_ids)
+        aux_hidden = aux_hidden.to("cpu", out_dtype)
+        final_hidden = final_hidden.to("cpu", out_dtype)
+        for row, index in enumerate(batch_indices):
+            length = len(sequences[index])
+            results[index] = (aux_hidden[row, :length], final_hidden[row, :length])
+    return results  # type: ignore[return-value]
+
+
+def extract_shard(
+    model,
+    split_tokens: SplitTokens,
+    shard_index: int,
+    samples_per_shard: int,
+    aux_layer_ids: Sequence[int],
+    batch_size: int,
+    pad_id: int,
+    out_dtype: torch.dtype,
+    metadata: dict[str, str],
+    device: torch.device | str = "cpu",
+) -> EncodedShard:
+    """Run the target over one shard's fixed sample range; return the encoded safetensors blob."""
+    started, started_unix = time.perf_counter(), time.time()
+    sample_range = shard_sample_range(shard_index, len(split_tokens), samples_per_shard)
+    tokens_and_masks = [split_tokens.sample(i) for i in sample_range]
+    hidden = hidden_states_for_samples(
+        model, [ids for ids, _ in tokens_and_masks], aux_layer_ids, batch_size, pad_id, out_dtype, device
+    )
+    samples = [
+        {"input_ids": ids, "loss_mask": mask, "aux_hidden": aux, "final_hidden": final}
+        for (ids, mask), (aux, final) in zip(tokens_and_masks, hidden)
+    ]
+    blob, tokens = encode_shard(samples, list(sample_range), metadata)
+    return EncodedShard(
+        shard_index=shard_index,
+        blob=blob,
+        samples=len(sample_range),
+        tokens=tokens,
+        first_sample=sample_range.start,
+        compute_s=round(time.perf_counter() - started, 4),
+        started_unix=started_unix,
+    )
+
+
+def run_worker_shards(
+    model,
+    split_tokens: SplitTokens,
+    storage: Storage,
+    rank: int,
+    world_size: int,
+    plan: dict,
+    device: torch.device | str = "cpu",
+    fault_injection: dict | None = None,
+) -> dict:
+    """Write every shard this rank owns that is not already complete. Returns counts for the log.
+
+    Checksumming and writing shard k (I/O, GIL released) overlap with the forward passes of shard k+1; at most one
+    write is in flight, so memory stays at two shards.
+    """
+    total_shards = num_shards(len(split_tokens), plan["samples_per_shard"])
+    written = skipped = 0
+    pending: Future | None = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+        for shard_index in shards_of_worker(rank, world_size, total_shards):
+            expected = len(shard_sample_range(shard_index, len(split_tokens), plan["samples_per_shard"]))
+            if complete_shard_record(storage, shard_index, expected) is not None:
+                skipped += 1
+                continue
+            shard = extract_shard(
+                model,
+                split_tokens,
+                shard_index,
+                plan["samples_per_shard"],
+                plan["aux_layer_ids"],
+                plan["batch_size"],
+                plan["pad_id"],
+                TORCH_DTYPES[plan["dtype"]],
+                plan["shard_metadata"],
+                device,
+            )
+            if pending is not None:
+                pending.result()
+                written += 1
+                _maybe_inject_fault(fault_injection, written)
+            pending = writer.submit(write_shard, storage, shard)
+        if pending is not None:
+            pending.result()
+            written += 1
+            _maybe_inject_fault(fault_injection, written)
+    return {"rank": rank, "written": written, "skipped": skipped}
+
+
+def _maybe_inject_fault(fault_injection: dict | None, shards_written: int) -> None:
+    """Test hook (DRAFTLINE_EXTRACT_FAULT_* env vars on the driver): die like a killed process, once per marker file."""
+    if not fault_injection or shards_written < fault_injection["after_shards"]:
+        return
+    marker = Path(fault_injection["marker"])
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(marker, "x") as handle:  # exclusive create: only the first worker to get here dies, and only once
+            handle.write(f"worker pid {os.getpid()} exited after {shards_written} shards\n")
+    except FileExistsError:
+        return
+    os._exit(137)
+
+
+def extract_loop_per_worker(loop_config: dict) -> None:
+    """Ray Train entry point (one per worker; every attempt after a failure starts here again)."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    from draftline.config import DraftlineConfig
+    from draftline.target.load import load_target
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    cfg = DraftlineConfig.model_validate(loop_config["config"])
+    plan = loop_config["plan"]
+    torch.set_num_threads(max(1, int(cfg.extract.cpus_per_worker)))
+    device = ray.train.torch.get_device() if cfg.extract.use_gpu else torch.device("cpu")
+    target = load_target(cfg, device=str(device), target_dir=plan["target_dir"])
+    if target.fingerprint != plan["target_fingerprint"]:
+        raise RuntimeError(
+            f"worker {rank}: target at {plan['target_dir']} has fingerprint {target.fingerprint}, the driver saw "
+            f"{plan['target_fingerprint']}; every node must have the same target files"
+        )
+    for split in loop_config["splits"]:
+        split_tokens: SplitTokens = ray.get(split["split_tokens_ref"])
+        split_plan = {**plan, "shard_metadata": {**plan["shard_metadata"], "split": split["split"]}}
+        started = time.perf_counter()
+        counts = run_worker_shards(
+            target.model,
+            split_tokens,
+            Storage(split["location"]),
+            rank,
+            world_size,
+            split_plan,
+            device,
+            loop_config.get("fault_injection"),
+        )
+        print(
+            f"[extract] worker {rank}/{world_size} {split['split']}: wrote {counts['written']} shards, skipped "
+            f"{counts['skipped']} complete ones in {time.perf_counter() - started:.1f} s",
+            flush=True,
+        )

@@ -1,0 +1,151 @@
+"""Zero-downtime rollout between two real registered drafter versions under concurrent load.
+
+Two randomly initialised Eagle3Drafter exports are registered in a tmp MLflow store, gated (tag gate=passed)
+and promoted with the registry; Serve runs on 127.0.0.1 in the session's local Ray cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from conftest import REPO, TEST_OVERRIDES
+from draftline.tracking import GATE_TAG
+from registry_helpers import mlflow_test_config, random_drafter, register_drafter
+from serve_helpers import free_port, start_serving, stop_serving
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+CLIENTS = 4
+MAX_LOAD_S = 40.0
+BODY = {"messages": [{"role": "user", "content": "Name a Python builtin."}], "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def registry(ray_cluster, tmp_path_factory, tiny_target_dir):
+    """Two gate-passed versions; the first is the champion."""
+    from draftline.registry import promote
+
+    tmp_path = tmp_path_factory.mktemp("serve-rollout")
+    extra = [f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={(tmp_path / 'mlruns').as_uri()}"]
+    cfg = mlflow_test_config(tmp_path)
+    old = register_drafter(cfg, random_drafter(tiny_target_dir, seed=1), {GATE_TAG: "passed"})
+    new = register_drafter(cfg, random_drafter(tiny_target_dir, seed=2), {GATE_TAG: "passed"})
+    promote(cfg, old)
+    return extra, old, new
+
+
+async def _load(url: str, stop: threading.Event) -> list[tuple[float, float, object]]:
+    """CLIENTS loops until `stop` or MAX_LOAD_S; each result is (start_s, end_s, version or failure text)."""
+    results: list[tuple[float, float, object]] = []
+    deadline = time.monotonic() + MAX_LOAD_S
+
+    async def client() -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            while not stop.is_set() and time.monotonic() < deadline:
+                started = time.monotonic()
+                try:
+                    response = await http.post(f"{url}/v1/chat/completions", json=BODY)
+                    if response.status_code == 200:
+                        outcome: object = response.json()["draftline"]["model_version"]
+                    else:
+                        outcome = Exception(f"HTTP {response.status_code}: {response.text[:200]}")
+                except httpx.HTTPError as err:
+                    outcome = err
+                results.append((started, time.monotonic(), outcome))
+
+    await asyncio.gather(*(client() for _ in range(CLIENTS)))
+    return results
+
+
+def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_factory):
+    from draftline.registry import promote
+    from draftline.serving.control import roll_to_champion
+
+    extra, old, new = registry
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}"])
+    url = start_serving(cfg)
+    try:
+        stop = threading.Event()
+        results: list = []
+        load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop))))
+        load.start()
+        time.sleep(5)  # old version under load first
+        promote(cfg, new)
+        roll_started = time.monotonic()
+        served = roll_to_champion(cfg)
+        rolled_at = time.monotonic()
+        time.sleep(5)  # new version under load
+        stop.set()
+        load.join(timeout=MAX_LOAD_S + 60)
+        assert not load.is_alive()
+    finally:
+        stop_serving()
+
+    failures = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
+    versions = Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
+    late = Counter(outcome for started, _, outcome in results if started > rolled_at)
+    print(
+        f"rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
+        f"versions {dict(versions)}, roll_to_champion took {rolled_at - roll_started:.1f} s, "
+        f"requests started after the roll: {dict(late)}"
+    )
+    assert served.model_version == new
+    assert failures == []
+    assert set(versions) == {old, new} and versions[old] > 0 and versions[new] > 0
+    assert late and set(late) == {new}, "a request started after roll_to_champion returned was answered by the old version"
+
+
+def test_rollback_command_rolls_running_serving(registry, tmp_path_factory):
+    """`draftline rollback` (the registry CLI) finds the running app through state.json and rolls it."""
+    from draftline.registry import promote
+
+    extra, old, new = registry
+    port = free_port()
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={port}"])
+    promote(cfg, new)  # champion = new, previous = old (whatever the previous test left)
+    url = start_serving(cfg)
+    try:
+        assert httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"] == new
+        overrides = TEST_OVERRIDES + [f"data_dir={cfg.data_dir}"] + extra + [f"serve.port={port}"]
+        command = [sys.executable, "-m", "draftline.cli", "rollback", "-c", str(REPO / "configs" / "tiny-cpu.yaml"), *overrides]
+        env = {**os.environ, "PYTHONPATH": str(REPO / "platform")}
+        started = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        print(f"`draftline rollback` took {time.monotonic() - started:.1f} s:\n{done.stdout}{done.stderr[-2000:]}")
+        assert done.returncode == 0
+        assert f"now serves {cfg.registered_model_name} version {old}" in done.stdout
+        answers = {httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"]
+                   for _ in range(4)}
+        assert answers == {old}
+    finally:
+        stop_serving()
+
+
+def test_watcher_follows_the_champion_alias(registry, tmp_path_factory):
+    from draftline.registry import promote
+
+    extra, old, new = registry
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}", "serve.watch_interval_s=1"])
+    promote(cfg, old)
+    url = start_serving(cfg)
+    try:
+        assert httpx.get(f"{url}/healthz").json()["served"]["model_version"] == old
+        promote(cfg, new)
+        started = time.monotonic()
+        version = old
+        while time.monotonic() - started < 60 and version != new:
+            time.sleep(0.5)
+            version = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"]
+        print(f"watcher rolled to version {version} {time.monotonic() - started:.1f} s after the promotion")
+        assert version == new
+    finally:
+        stop_serving()

@@ -1,0 +1,175 @@
+"""Serving units without a Ray cluster: request schema, validation messages, stop strings, Serve configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from draftline.engines.base import SpecStats
+from draftline.serving.control import app_config
+from draftline.serving.deployments import (
+    ENGINE_DEPLOYMENT,
+    INGRESS_DEPLOYMENT,
+    ApiError,
+    RequestValidator,
+    ServedModel,
+    StopMatcher,
+    engine_options,
+    token_hash,
+    validation_error,
+)
+from draftline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, Usage
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_unknown_field_is_rejected_and_named():
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    err = validation_error(info.value)
+    assert err.status == 400 and err.param == "logprobs" and "unknown field 'logprobs'" in err.message
+
+
+def test_unknown_field_inside_a_message_is_rejected():
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]})
+    assert validation_error(info.value).param == "messages.0.tool_calls"
+
+
+def test_missing_and_invalid_values_name_the_field():
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"max_tokens": 4})
+    assert validation_error(info.value).param == "prompt"
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "x", "temperature": 7})
+    err = validation_error(info.value)
+    assert err.param == "temperature" and err.code == "invalid_value"
+
+
+def test_error_response_has_openai_shape():
+    body = ApiError(400, "bad", param="max_tokens", code="invalid_value").response().body
+    import json
+
+    assert json.loads(body) == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}
+    }
+
+
+def test_usage_carries_speculative_stats():
+    usage = Usage.from_stats(10, 9, SpecStats(verify_steps=4, accepted_draft_tokens=5, output_tokens=9))
+    assert usage.total_tokens == 19
+    assert usage.spec_accept_length == pytest.approx(2.25)
+    assert usage.spec_verify_steps == 4 and usage.spec_accepted_draft_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "pieces, stop, expected_text, stopped",
+    [
+        (["hello wor", "ld. bye"], ["world"], "hello ", True),
+        (["ab", "c", "d"], ["cd"], "ab", True),
+        (["no stop ", "here"], ["zz"], "no stop here", False),
+        (["x<|e", "nd|>y"], ["<|end|>", "q"], "x", True),
+    ],
+)
+def test_stop_matcher_cuts_at_first_stop_string_across_chunks(pieces, stop, expected_text, stopped):
+    matcher = StopMatcher(stop)
+    emitted = ""
+    for piece in pieces:
+        emitted += matcher.feed(piece)
+        if matcher.stopped:
+            break
+    if not matcher.stopped:
+        emitted += matcher.flush()
+    assert emitted == expected_text and matcher.stopped is stopped
+
+
+def test_serve_config_yaml_is_a_valid_serve_deploy_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text()))
+    (application,) = schema.applications
+    assert application.import_path == "serve.app:app"
+    assert {d.name for d in application.deployments} == {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
+
+
+def test_app_config_and_engine_options_are_accepted_by_serve(tiny_cfg):
+    from ray.serve.schema import DeploymentSchema, ServeApplicationSchema
+
+    served = ServedModel(registered_model="draftline-tiny-llama", model_version="3", export_dir="/x")
+    schema = ServeApplicationSchema.model_validate(app_config(tiny_cfg, served))
+    assert schema.deployments[0].user_config == served.model_dump()
+    options = engine_options(tiny_cfg, served)
+    deployment = DeploymentSchema.model_validate({"name": ENGINE_DEPLOYMENT, **options})
+    assert deployment.max_ongoing_requests == tiny_cfg.serve.max_ongoing_requests
+    assert deployment.max_queued_requests == tiny_cfg.serve.max_queued_requests
+
+
+@pytest.fixture(scope="module")
+def validator(tiny_cfg, tiny_target_dir):
+    """The ingress's request checks, without Ray."""
+    return RequestValidator(tiny_cfg)
+
+
+def _api_error(call) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        call()
+    return info.value
+
+
+def test_prepare_chat_applies_the_chat_template(validator):
+    prepared = validator.prepare("chat", b'{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}')
+    expected = validator.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert validator.tokenizer.decode(prepared.prompt_ids) == expected
+    assert prepared.params.max_new_tokens == 5
+    assert prepared.params.stop_token_ids == [validator.tokenizer.eos_token_id]
+
+
+def test_prepare_rejects_bad_input_with_400(validator, tiny_cfg):
+    limit = tiny_cfg.serve.max_tokens_limit
+    assert _api_error(lambda: validator.prepare("chat", b"{not json")).code == "invalid_json"
+    assert _api_error(lambda: validator.prepare("chat", b"[1, 2]")).code == "invalid_json"
+    err = _api_error(lambda: validator.prepare("completions", f'{{"prompt": "a", "max_tokens": {limit + 1}}}'.encode()))
+    assert (err.status, err.param) == (400, "max_tokens") and str(limit) in err.message
+    err = _api_error(lambda: validator.prepare("completions", b'{"prompt": "a", "max_tokens": 0}'))
+    assert err.param == "max_tokens"
+    context = validator.context_tokens
+    long_prompt = ("word " * (context * 2)).encode()
+    err = _api_error(lambda: validator.prepare("completions", b'{"prompt": "' + long_prompt + b'"}'))
+    assert (err.status, err.code) == (400, "context_length_exceeded") and str(context) in err.message
+    ids = list(range(context - 2))
+    err = _api_error(lambda: validator.prepare("completions", f'{{"prompt": {ids}, "max_tokens": 5}}'.encode()))
+    assert err.code == "context_length_exceeded" and err.param == "max_tokens"
+    err = _api_error(lambda: validator.prepare("completions", f'{{"prompt": [{validator.vocab_size}]}}'.encode()))
+    assert err.param == "prompt"
+    err = _api_error(lambda: validator.prepare("chat", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}'))
+    assert (err.status, err.code) == (404, "model_not_found")
+
+
+def test_default_max_tokens_fits_the_context(validator, tiny_cfg):
+    ids = list(range(validator.context_tokens - 3))
+    prepared = validator.prepare("chat", f'{{"messages": [{{"role": "user", "content": "x"}}]}}'.encode())
+    assert prepared.params.max_new_tokens == tiny_cfg.serve.max_tokens_limit
+    prepared = validator.prepare("completions", f'{{"prompt": {ids}}}'.encode())
+    assert prepared.params.max_new_tokens == 3
+
+
+def test_bearer_token_is_checked_against_its_hash(validator):
+    from starlette.requests import Request
+
+    def request(headers: dict) -> Request:
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        return Request({"type": "http", "headers": raw, "method": "GET", "path": "/"})
+
+    validator.auth_token_sha256 = token_hash("s3cret")
+    try:
+        validator.authorize(request({"Authorization": "Bearer s3cret"}))
+        assert _api_error(lambda: validator.authorize(request({}))).status == 401
+        assert _api_error(lambda: validator.authorize(request({"Authorization": "Bearer nope"}))).status == 401
+        assert _api_error(lambda: validator.authorize(request({"Authorization": "Basic s3cret"}))).status == 401
+    finally:
+        validator.auth_token_sha256 = None

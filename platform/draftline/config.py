@@ -117,6 +117,8 @@ class TrainConfig(Strict):
     max_failures: int = Field(3, ge=0)
     num_attention_heads: Optional[int] = Field(None, description="drafter heads; default = target's")
     intermediate_size: Optional[int] = Field(None, description="drafter MLP width; default = target's")
+    log_every: int = Field(10, ge=1, description="rank 0 sends buffered per-step metrics to MLflow every N steps")
+    storage_uri: Optional[str] = Field(None, description="Ray Train checkpoints; default <data_dir>/ray/train")
 
 
 class TrackingConfig(Strict):
@@ -166,6 +168,7 @@ class BenchConfig(Strict):
     concurrency: list[int] = Field(default_factory=lambda: [1, 4])
     max_new_tokens: int = Field(48, ge=1)
     sweep: bool = False
+    rounds: int = Field(1, ge=1, description="repeat every engine this often, interleaved; rows keep the fastest round")
     sweep_grid: list[tuple[int, int, int]] = Field(
         default_factory=lambda: [(2, 1, 3), (3, 1, 4), (5, 1, 6), (3, 2, 6)],
         description="(num_steps, eagle_topk, num_draft_tokens) tried by --sweep",

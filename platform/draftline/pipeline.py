@@ -71,7 +71,10 @@ def _stage_extract(ctx: Context) -> dict:
     print(summary_text(list(result.splits.values())))
     return {
         "hidden_dir": str(result.location),
-        "splits": {name: r.manifest_summary() for name, r in result.splits.items()},
+        "splits": {
+            name: {k: r.manifest.get(k) for k in ("total_samples", "total_tokens", "bytes_per_token", "target_fingerprint")}
+            for name, r in result.splits.items()
+        },
     }
 
 
@@ -226,6 +229,7 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
                                         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         summary[stage.name] = {"status": "ran", "seconds": seconds, "outputs": outputs}
         console.print(f"[bold]{stage.name}[/bold]: done in {seconds:.1f} s")
+    atomic_write_json(root / "summary.json", summary)
     from draftline.report import write_report
 
     write_report(cfg, summary, root)

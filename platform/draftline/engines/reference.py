@@ -1,0 +1,577 @@
+"""The reference engine: EAGLE-3 speculative decoding in plain PyTorch over the HF target (CPU or GPU).
+
+Written like gpt-fast's generate.py: one request is a `Sequence`; one `step` drafts, verifies and accepts.
+SGLang's parameters mean the same here:
+  num_steps         draft depth (drafter forwards per round, the first one shared with the draft extend)
+  eagle_topk        1: a chain of num_steps tokens; >1: a tree, each step keeps the topk best partial paths
+  num_draft_tokens  tree: tokens the target verifies per round, the root (last accepted token) included;
+                    chain: always num_steps + 1 (SGLang forces the same)
+
+Positions. Committed tokens are x_0..x_{L-1}; the target KV cache holds positions 0..L-2 and x_{L-1} (the last
+bonus token) is the root of the next verify. The drafter at position t reads (target aux states at t, embedding
+of x_{t+1}) and predicts x_{t+2} (drafter/ttt.py); its KV cache holds one entry per position 0..L-2. A round:
+  1. draft: from the drafter's last output (position L-2) draft a chain/tree of tokens for positions L..
+  2. verify: one target forward over [x_{L-1}, drafts] (tree attention mask for a tree), capturing aux states
+  3. accept: walk the tree from the root (greedy: match the target argmax; sampling: rejection sampling),
+     plus one bonus token from the target's distribution at the last accepted node
+  4. keep the target cache entries of the root and the accepted path; run the drafter over those positions
+     (its "extend"), which also yields the logits of the next round's first draft.
+Accept length = tokens emitted per verify step, bonus included (SGLang's spec accept length).
+
+Losslessness. Greedy: every emitted token is the target's argmax given the committed prefix, so the output is
+the target's own greedy output (up to float reordering in batched vs single-token forwards). Sampling: at a node
+with target distribution q, each child x with draft distribution p is accepted with probability min(1, q(x)/p(x));
+on rejection q <- norm(max(0, q - p)) and the next child is tried; if no child is accepted the bonus is sampled
+from q. Chains sample their drafts from the drafter (p = draft probabilities); trees pick the drafter's top-k
+deterministically, so p is one-hot at the draft (accept with q(x), remove x from q on rejection). Either way each
+emitted token is distributed exactly as the target's q.
+
+Concurrency: every request keeps its own caches; an asyncio lock lets one decode step (of one request) use the
+model at a time, in a worker thread so the event loop stays responsive. Concurrent requests therefore interleave
+step by step (fair streaming, no batching): throughput does not grow with concurrency, latency does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Optional
+
+import torch
+
+from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.engines.base import GenerationChunk, SamplingParams, SpecStats
+
+TARGET_ONLY = "target-only"
+
+
+# ---------------------------------------------------------------------------------------------- probabilities
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution over the last dim (temperature, then nucleus top-p), in float32."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ------------------------------------------------------------------------------------------------ target side
+
+
+def keep_cache_positions(cache, keep: torch.Tensor | int) -> None:
+    """Keep only some entries of a transformers DynamicCache: the first `keep` (int) or those at index `keep`.
+
+    Works on the layers' key/value tensors directly: `DynamicCache.crop`'s argument changed meaning across
+    transformers releases.
+    """
+    for layer in cache.layers:
+        if isinstance(keep, int):
+            layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
+        else:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+
+@torch.no_grad()
+def target_forward(
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache,
+    aux_layer_ids: Optional[list[int]],
+    attention_mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Target forward with KV cache -> (logits [T, V], aux states [T, n_aux*H] or None).
+
+    The aux states are exactly what `draftline.target.capture.capture_aux_hidden` feeds the drafter
+    (`hidden_states[i + 1]` per aux layer id i, concatenated in order); tests pin the two together.
+    """
+    outputs = model.base_model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=aux_layer_ids is not None,
+        return_dict=True,
+    )
+    logits = model.lm_head(outputs.last_hidden_state)[0]
+    aux = None
+    if aux_layer_ids is not None:
+        aux = torch.cat([outputs.hidden_states[layer_id + 1] for layer_id in aux_layer_ids], dim=-1)[0]
+    return logits, aux
+
+
+def tree_attention_mask(parents: list[int], past_length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, N, past+N] for verifying N tree nodes (node 0 is the root, parents[0] == -1):
+    every node sees the cached prefix, its ancestors and itself."""
+    num_nodes = len(parents)
+    allowed = torch.zeros(num_nodes, past_length + num_nodes, dtype=torch.bool, device=device)
+    allowed[:, :past_length] = True
+    for node in range(num_nodes):
+        ancestor = node
+        while ancestor != -1:
+            allowed[node, past_length + ancestor] = True
+            ancestor = parents[ancestor]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+# ----------------------------------------------------------------------------------------------- draft side
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens in verify order; node 0 is the root (the last committed token), parents[0] == -1.
+
+    draft_probs[i] is the drafter's distribution (over the target vocab) that node i was sampled from, or None
+    when node i was picked deterministically (greedy or top-k): then p is one-hot at the token.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    draft_probs: list[Optional[torch.Tensor]]
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def depths(self) -> list[int]:
+        depth = [0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):
+            depth[i] = depth[self.parents[i]] + 1
+        return depth
+
+
+def draft_probs_in_target_vocab(drafter, draft_logits: torch.Tensor, temperature: float, target_vocab_size: int):
+    """Drafter distribution mapped onto the target vocabulary (zero outside the draft vocab)."""
+    probs = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    full = probs.new_zeros(target_vocab_size)
+    return full.index_copy(0, drafter.draft_to_target(torch.arange(probs.shape[-1], device=probs.device)), probs)
+
+
+# ------------------------------------------------------------------------------------------------- a request
+
+
+@dataclass
+class Sequence:
+    """One request's decoding state."""
+
+    tokens: list[int]  # prompt + emitted
+    prompt_length: int
+    target_cache: object
+    generator: torch.Generator
+    draft_cache: object = None  # DrafterKVCache
+    draft_logits: Optional[torch.Tensor] = None  # [Vd] drafter logits at position L-2 (predicts x_L)
+    draft_hidden: Optional[torch.Tensor] = None  # [H] drafter hidden_out at position L-2
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class ReferenceEngine:
+    """Engine protocol over a local HF target and (optionally) an exported EAGLE-3 drafter."""
+
+    name = "reference"
+
+    def __init__(
+        self,
+        cfg: DraftlineConfig,
+        target_dir: str | Path,
+        drafter_dir: Optional[str | Path] = None,
+        model_version: Optional[str] = None,
+        speculative: Optional[SpeculativeConfig] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.target_dir = Path(target_dir)
+        self.drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
+        self.model_version = model_version or (TARGET_ONLY if drafter_dir is None else str(self.drafter_dir))
+        self.spec = speculative or cfg.engine.speculative
+        self.device = torch.device(cfg.engine.device)
+        self.model = self.tokenizer = self.drafter = None
+        self.stop_token_ids: set[int] = set()
+        self.max_positions = 0
+        self._lock = asyncio.Lock()
+        _check_speculative(self.spec)
+
+    # -------------------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.load)
+
+    def load(self) -> None:
+        from draftline.target.load import load_target
+
+        target = load_target(self.cfg, device=str(self.device), target_dir=self.target_dir)
+        self.model, self.tokenizer = target.model, target.tokenizer
+        self.max_positions = int(self.model.config.max_position_embeddings)
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config is not None else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.stop_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.drafter_dir is not None:
+            from draftline.drafter.export import load_drafter
+
+            self.drafter = load_drafter(self.drafter_dir, device=self.device)
+            _check_drafter_fits_target(self.drafter, self.model, self.drafter_dir)
+
+    async def health(self) -> bool:
+        return self.model is not None
+
+    async def stop(self) -> None:
+        self.model = self.drafter = None
+
+    # ------------------------------------------------------------------------------------------ generation
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        if self.model is None:
+            raise RuntimeError("ReferenceEngine.generate before start(): await engine.start() first")
+        _check_request(prompt_ids, params, self.max_positions, int(self.model.config.vocab_size))
+        stop_ids = self.stop_token_ids | set(params.stop_token_ids)
+        async with self._lock:
+            sequence = await asyncio.to_thread(self.prefill, prompt_ids, params)
+        detok = _IncrementalText(self.tokenizer)
+        pending = sequence.tokens[sequence.prompt_length :]
+        while True:
+            emitted, finish_reason = self._cut(pending, sequence, params, stop_ids)
+            finished = finish_reason is not None
+            if finished:
+                sequence.stats.output_tokens = len(sequence.tokens) - sequence.prompt_length
+            yield GenerationChunk(
+                token_ids=emitted,
+                text=detok.push(emitted, final=finished),
+                finished=finished,
+                finish_reason=finish_reason,
+                stats=SpecStats(**vars(sequence.stats)) if finished else None,
+            )
+            if finished:
+                return
+            async with self._lock:
+                pending = await asyncio.to_thread(self.step, sequence, params)
+
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], SpecStats]:
+        """Synchronous whole-request generation (tests, benchmarks): -> (output ids, stats)."""
+        stop_ids = self.stop_token_ids | set(params.stop_token_ids)
+        sequence = self.prefill(prompt_ids, params)
+        pending = sequence.tokens[sequence.prompt_length :]
+        while self._cut(pending, sequence, params, stop_ids)[1] is None:
+            pending = self.step(sequence, params)
+        sequence.stats.output_tokens = len(sequence.tokens) - sequence.prompt_length
+        return sequence.tokens[sequence.prompt_length :], sequence.stats
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Target forward over the prompt; emits the first token; primes the drafter on the prompt."""
+        from transformers import DynamicCache
+
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ())))
+        sequence = Sequence(list(prompt_ids), len(prompt_ids), DynamicCache(config=self.model.config), generator)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        positions = torch.arange(len(prompt_ids), device=self.device)[None]
+        logits, aux = target_forward(self.model, ids, positions, sequence.target_cache, self._aux_layer_ids())
+        sequence.tokens.append(self._pick(logits[-1], params, generator))
+        if self.drafter is not None:
+            from draftline.drafter.model import DrafterKVCache
+
+            sequence.draft_cache = DrafterKVCache()
+            self._draft_extend(sequence, aux, start_position=0)
+        return sequence
+
+    @torch.no_grad()
+    def step(self, sequence: Sequence, params: SamplingParams) -> list[int]:
+        """One decode step; returns the newly committed tokens (1 for target-only, accepted + bonus otherwise)."""
+        if self.drafter is None:
+            root_position = len(sequence.tokens) - 1
+            ids = torch.tensor([[sequence.tokens[-1]]], device=self.device)
+            positions = torch.tensor([[root_position]], device=self.device)
+            logits, _ = target_forward(self.model, ids, positions, sequence.target_cache, None)
+            token = self._pick(logits[-1], params, sequence.generator)
+            sequence.tokens.append(token)
+            return [token]
+        tree = self._draft(sequence, params)
+        return self._verify_and_accept(sequence, tree, params)
+
+    # ---------------------------------------------------------------------------------------------- pieces
+
+    def _cut(self, pending: list[int], sequence: Sequence, params: SamplingParams, stop_ids: set[int]):
+        # the next step may write this many positions past the last committed token
+        lookahead = 1 if self.drafter is None else self.spec.num_steps + 1
+        return _truncate(pending, sequence, params.max_new_tokens, stop_ids, self.max_positions, lookahead)
+
+    def _aux_layer_ids(self) -> Optional[list[int]]:
+        return list(self.drafter.config.aux_layer_ids) if self.drafter is not None else None
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+        if params.temperature == 0:
+            return int(logits.argmax())
+        return sample(target_probs(logits, params.temperature, params.top_p), generator)
+
+    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([token_ids], device=self.device)
+        return self.model.get_input_embeddings()(ids).to(self.drafter.fc.weight.dtype)
+
+    def _draft_extend(self, sequence: Sequence, aux: torch.Tensor, start_position: int) -> None:
+        """Drafter over newly verified positions start..start+m-1 (aux states there, embeddings of the tokens
+        after them); appends them to the drafter cache and keeps the last position's output for drafting."""
+        drafter = self.drafter
+        length = aux.shape[0]
+        next_tokens = sequence.tokens[start_position + 1 : start_position + 1 + length]
+        hidden = drafter.fuse_aux(aux[None].to(drafter.fc.weight.dtype))
+        positions = torch.arange(start_position, start_position + length, device=self.device)
+        logits, hidden_out = drafter(self._embed(next_tokens), hidden, positions, cache=sequence.draft_cache)
+        sequence.draft_logits, sequence.draft_hidden = logits[0, -1], hidden_out[0, -1]
+
+    def _draft(self, sequence: Sequence, params: SamplingParams) -> DraftTree:
+        if self.spec.eagle_topk == 1:
+            return self._draft_chain(sequence, params)
+        return self._draft_tree(sequence)
+
+    def _draft_chain(self, sequence: Sequence, params: SamplingParams) -> DraftTree:
+        """num_steps tokens, each fed back into the drafter (its cache grows by num_steps-1 chain entries)."""
+        drafter, greedy = self.drafter, params.temperature == 0
+        tree = DraftTree([sequence.tokens[-1]], [-1], [None])
+        logits, hidden = sequence.draft_logits, sequence.draft_hidden
+        position = len(sequence.tokens) - 1  # RoPE position of the first chain entry (depth 1)
+        for depth in range(1, self.spec.num_steps + 1):
+            if greedy:
+                token, probs = int(drafter.draft_to_target(logits.argmax())), None
+            else:
+                probs = draft_probs_in_target_vocab(drafter, logits, params.temperature, self.model.config.vocab_size)
+                token = sample(probs, sequence.generator)
+            tree.tokens.append(token)
+            tree.parents.append(depth - 1)
+            tree.draft_probs.append(probs)
+            if depth == self.spec.num_steps:
+                break
+            step_position = torch.tensor([position + depth - 1], device=self.device)
+            step_logits, step_hidden = drafter(
+                self._embed([token]), hidden[None, None], step_position, cache=sequence.draft_cache
+            )
+            logits, hidden = step_logits[0, -1], step_hidden[0, -1]
+        return tree
+
+    def _draft_tree(self, sequence: Sequence) -> DraftTree:
+        """SGLang's EAGLE tree: each step expands the topk best paths (by summed draft log-prob) by their topk
+        next tokens; the num_draft_tokens-1 best nodes over all steps form the tree the target verifies."""
+        from draftline.drafter.model import attend
+
+        drafter, topk, layer = self.drafter, self.spec.eagle_topk, self.drafter.midlayer
+        root_position = len(sequence.tokens) - 2  # drafter position of the root's last extend entry
+        # candidate nodes: target token, parent candidate (-1 = root), cumulative log-prob
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        log_probs = torch.log_softmax(sequence.draft_logits.float(), dim=-1)
+        top_scores, top_ids = log_probs.topk(topk)
+        frontier = list(range(topk))
+        for score, draft_id in zip(top_scores.tolist(), top_ids.tolist()):
+            tokens.append(int(drafter.draft_to_target(torch.tensor(draft_id))))
+            parents.append(-1)
+            scores.append(score)
+        frontier_hidden = sequence.draft_hidden[None].expand(topk, -1)  # hidden each frontier node is fed
+        expanded: list[int] = []  # candidate ids whose keys are in tree_keys, in order
+        tree_keys = tree_values = None
+        cache = sequence.draft_cache
+        for step in range(1, self.spec.num_steps):
+            embeds = self._embed([tokens[c] for c in frontier])
+            positions = torch.full((1, topk), root_position + step, device=self.device)
+            q, k, v = layer.project_qkv(embeds, frontier_hidden[None], positions)
+            expanded.extend(frontier)
+            tree_keys = k if tree_keys is None else torch.cat([tree_keys, k], dim=2)
+            tree_values = v if tree_values is None else torch.cat([tree_values, v], dim=2)
+            allowed = torch.ones(topk, cache.length + len(expanded), dtype=torch.bool, device=self.device)
+            for row, node in enumerate(frontier):
+                path = _ancestors_and_self(node, parents)
+                allowed[row, cache.length :] = torch.tensor([c in path for c in expanded], device=self.device)
+            attn = attend(q, torch.cat([cache.keys, tree_keys], 2), torch.cat([cache.values, tree_values], 2), allowed)
+            hidden_out = layer.finish(attn, residual=frontier_hidden[None])[0]
+            step_log_probs = torch.log_softmax(drafter.logits(hidden_out).float(), dim=-1)  # [topk, Vd]
+            child_scores, child_ids = step_log_probs.topk(topk, dim=-1)
+            child_scores = child_scores + torch.tensor([scores[c] for c in frontier])[:, None]
+            first_child = len(tokens)
+            for row, node in enumerate(frontier):
+                for col in range(topk):
+                    tokens.append(int(drafter.draft_to_target(child_ids[row, col])))
+                    parents.append(node)
+                    scores.append(float(child_scores[row, col]))
+            best = child_scores.flatten().topk(topk).indices.tolist()
+            frontier = [first_child + i for i in best]
+            frontier_hidden = hidden_out[[i // topk for i in best]]
+        return _select_tree(sequence.tokens[-1], tokens, parents, scores, self.spec.num_draft_tokens - 1)
+
+    def _verify_and_accept(self, sequence: Sequence, tree: DraftTree, params: SamplingParams) -> list[int]:
+        root_position = len(sequence.tokens) - 1
+        past_length = root_position
+        depths = tree.depths()
+        ids = torch.tensor([tree.tokens], device=self.device)
+        positions = torch.tensor([[root_position + d for d in depths]], device=self.device)
+        is_chain = all(parent == i - 1 for i, parent in enumerate(tree.parents))
+        mask = None if is_chain else tree_attention_mask(tree.parents, past_length, self.model.dtype, self.device)
+        logits, aux = target_forward(self.model, ids, positions, sequence.target_cache, self._aux_layer_ids(), mask)
+
+        path, bonus = _accept(tree, logits, params, sequence.generator)
+        accepted = [tree.tokens[node] for node in path]
+        kept_rows = [0] + path  # the root and the accepted nodes stay in the target cache
+        if kept_rows == list(range(len(kept_rows))):
+            keep_cache_positions(sequence.target_cache, past_length + len(kept_rows))
+        else:
+            keep = torch.cat([torch.arange(past_length), past_length + torch.tensor(kept_rows)]).to(self.device)
+            keep_cache_positions(sequence.target_cache, keep)
+
+        sequence.tokens.extend(accepted + [bonus])
+        sequence.stats.verify_steps += 1
+        sequence.stats.accepted_draft_tokens += len(accepted)
+        sequence.draft_cache.crop(past_length)
+        self._draft_extend(sequence, aux[kept_rows], start_position=past_length)
+        return accepted + [bonus]
+
+
+# --------------------------------------------------------------------------------------------- tree helpers
+
+
+def _ancestors_and_self(node: int, parents: list[int]) -> set[int]:
+    path = set()
+    while node != -1:
+        path.add(node)
+        node = parents[node]
+    return path
+
+
+def _select_tree(root_token: int, tokens: list[int], parents: list[int], scores: list[float], budget: int) -> DraftTree:
+    """The `budget` best candidates (a node only with its parent), in candidate order so parents come first;
+    siblings are ordered best first, which is the order rejection sampling tries them in."""
+    by_score = sorted(range(len(tokens)), key=lambda c: (-scores[c], c))
+    chosen: set[int] = set()
+    for candidate in by_score:
+        if len(chosen) == budget:
+            break
+        if parents[candidate] == -1 or parents[candidate] in chosen:
+            chosen.add(candidate)
+    order = sorted(chosen, key=lambda c: (len(_ancestors_and_self(c, parents)), -scores[c], c))
+    node_of = {candidate: i + 1 for i, candidate in enumerate(order)}
+    return DraftTree(
+        tokens=[root_token] + [tokens[c] for c in order],
+        parents=[-1] + [0 if parents[c] == -1 else node_of[parents[c]] for c in order],
+        draft_probs=[None] * (len(order) + 1),
+    )
+
+
+def _accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[list[int], int]:
+    """Walk the tree from the root -> (accepted node indices, bonus token). logits[i]: target at node i."""
+    path: list[int] = []
+    node = 0
+    target_argmax = logits.argmax(dim=-1).tolist() if params.temperature == 0 else None
+    while True:
+        children = tree.children(node)
+        if target_argmax is not None:
+            target_token = target_argmax[node]
+            match = next((c for c in children if tree.tokens[c] == target_token), None)
+            if match is None:
+                return path, target_token
+            path.append(match)
+            node = match
+            continue
+        q = target_probs(logits[node], params.temperature, params.top_p)  # q: target prob
+        for child in children:
+            token, p = tree.tokens[child], tree.draft_probs[child]  # p: draft prob
+            p_token = float(p[token]) if p is not None else 1.0
+            if float(torch.rand((), generator=generator, device=generator.device)) < min(1.0, float(q[token]) / p_token):
+                path.append(child)
+                node = child
+                break
+            residual = torch.clamp(q - p, min=0) if p is not None else q.index_fill(0, torch.tensor(token), 0.0)
+            if residual.sum() > 0:
+                q = residual / residual.sum()
+        else:
+            return path, sample(q, generator)
+
+
+# ------------------------------------------------------------------------------------------------ checks etc.
+
+
+def _check_speculative(spec: SpeculativeConfig) -> None:
+    if spec.algorithm.upper() not in ("EAGLE3", "EAGLE"):
+        raise ValueError(
+            f"engine.speculative.algorithm {spec.algorithm!r}: the reference engine implements EAGLE3 only"
+        )
+    if spec.eagle_topk > 1 and spec.num_draft_tokens < 2:
+        raise ValueError(
+            f"engine.speculative.num_draft_tokens {spec.num_draft_tokens}: a tree (eagle_topk > 1) verifies the root "
+            "plus at least one draft; set num_draft_tokens >= 2"
+        )
+
+
+def _check_drafter_fits_target(drafter, model, drafter_dir: Path) -> None:
+    config = drafter.config
+    problems = []
+    if config.target_hidden_size != model.config.hidden_size:
+        problems.append(f"target_hidden_size {config.target_hidden_size} != target hidden_size {model.config.hidden_size}")
+    if config.target_vocab_size != model.config.vocab_size:
+        problems.append(f"vocab_size {config.target_vocab_size} != target vocab_size {model.config.vocab_size}")
+    if max(config.aux_layer_ids) > model.config.num_hidden_layers - 2:
+        problems.append(f"aux_layer_ids {list(config.aux_layer_ids)} exceed a {model.config.num_hidden_layers}-layer target")
+    if problems:
+        raise ValueError(f"drafter {drafter_dir} was not trained for this target: " + "; ".join(problems))
+
+
+def _check_request(prompt_ids: list[int], params: SamplingParams, max_positions: int, vocab_size: int) -> None:
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: give at least one token")
+    if len(prompt_ids) >= max_positions:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the target handles at most {max_positions - 1}")
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt_ids hold ids outside the target vocabulary [0, {vocab_size})")
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 1:
+        raise ValueError(
+            f"sampling params temperature={params.temperature} (>= 0), top_p={params.top_p} (in (0, 1]), "
+            f"max_new_tokens={params.max_new_tokens} (>= 1)"
+        )
+
+
+def _truncate(
+    pending: list[int], sequence: Sequence, max_new_tokens: int, stop_ids: set[int], max_positions: int, lookahead: int
+) -> tuple[list[int], Optional[str]]:
+    """Cut newly committed tokens at a stop token or the token budget -> (tokens to emit, finish reason or None).
+    Tokens past the cut are dropped from the sequence too, so stats count only emitted tokens."""
+    generated = len(sequence.tokens) - sequence.prompt_length
+    already = generated - len(pending)
+    emitted: list[int] = []
+    reason = None
+    for token in pending:
+        emitted.append(token)
+        if token in stop_ids:
+            reason = "stop"
+            break
+        if already + len(emitted) >= max_new_tokens:
+            reason = "length"
+            break
+    if reason is None and len(sequence.tokens) + lookahead > max_positions:
+        reason = "length"  # the next verify would run past the target's positions
+    del sequence.tokens[sequence.prompt_length + already + len(emitted) :]
+    return emitted, reason
+
+
+class _IncrementalText:
+    """Streams text for token chunks; holds back a trailing partial UTF-8 character until it completes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token_ids: list[int], final: bool) -> str:
+        self.ids.extend(token_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        new, self.sent = text[len(self.sent) :], text
+        return new
+

@@ -1,0 +1,235 @@
+"""Model registry aliases: resolve `champion`, promote a gated version, roll back to `previous`.
+
+Rules (DESIGN.md, stage 7):
+- `promote(version)` only accepts a version tagged `gate=passed` (written by `draftline gate`); it moves
+  `champion` to it and `previous` to the old champion.
+- `rollback()` moves `champion` back to `previous` and removes `previous` (a second rollback needs a new promotion,
+  so two rollbacks never swap back and forth).
+Serving resolves `models:/<name>@champion` through `resolve_alias`, which returns a local export directory
+(downloading the artifacts into `<data_dir>/cache/models/<name>/<version>-<source hash>/` when the source is not local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import unquote, urlparse
+
+from draftline.config import DraftlineConfig
+from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_TAG, mlflow_client
+from draftline.utils import stable_hash
+
+CHAMPION = "champion"
+PREVIOUS = "previous"
+
+
+class RegistryError(RuntimeError):
+    """A registry operation that cannot be done, phrased for the user."""
+
+
+class PromotionRefused(RegistryError):
+    pass
+
+
+@dataclass
+class ResolvedVersion:
+    name: str
+    version: str
+    export_dir: Path
+    tags: dict[str, str] = field(default_factory=dict)
+    source: str = ""
+
+
+def _missing(err: Exception) -> bool:
+    return getattr(err, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+def _alias_version(client: Any, name: str, alias: str) -> Optional[Any]:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as err:
+        if _missing(err):
+            return None
+        raise
+
+
+def _local_path(source: str) -> Optional[Path]:
+    parsed = urlparse(source)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "":
+        return Path(source)
+    return None
+
+
+def export_dir_of(cfg: DraftlineConfig, name: str, version: str, source: str) -> Path:
+    """A local directory with the version's files: the source itself when local, else a download cache."""
+    local = _local_path(source)
+    if local is not None:
+        if not local.is_dir():
+            raise RegistryError(f"model {name} version {version}: its source {source} is not a directory on this machine")
+        return local
+    # Keyed by the source too: a recreated registry can reuse a name and version number for other files.
+    cache_dir = cfg.data_path("cache", "models", name, f"{version}-{stable_hash(source)[:12]}")
+    marker = cache_dir / ".complete"
+    if marker.exists():
+        return cache_dir / "export"
+    from mlflow.artifacts import download_artifacts
+
+    # Download beside the final place, then rename: a reader never sees a partial export.
+    for leftover in (cache_dir / ".download", cache_dir / "export"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    downloaded = Path(download_artifacts(artifact_uri=source, dst_path=str(cache_dir / ".download")))
+    downloaded.replace(cache_dir / "export")
+    marker.touch()
+    return cache_dir / "export"
+
+
+def get_version(cfg: DraftlineConfig, version: str | int, download: bool = True) -> ResolvedVersion:
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow_client(cfg)
+    name = cfg.registered_model_name
+    try:
+        mv = client.get_model_version(name, str(version))
+    except MlflowException as err:
+        if _missing(err):
+            raise RegistryError(
+                f"model {name} has no version {version} in {cfg.mlflow_tracking_uri}; list versions with the MLflow UI "
+                "or train one (`draftline train`)"
+            ) from None
+        raise
+    return _resolved(cfg, mv, download)
+
+
+def _resolved(cfg: DraftlineConfig, mv: Any, download: bool) -> ResolvedVersion:
+    export_dir = export_dir_of(cfg, mv.name, mv.version, mv.source) if download else Path(mv.source)
+    return ResolvedVersion(mv.name, str(mv.version), export_dir, dict(mv.tags or {}), mv.source)
+
+
+def resolve_alias(cfg: DraftlineConfig, alias: str = CHAMPION, download: bool = True) -> ResolvedVersion:
+    """The version an alias points at, with a local export directory."""
+    client = mlflow_client(cfg)
+    name = cfg.registered_model_name
+    mv = _alias_version(client, name, alias)
+    if mv is None:
+        raise RegistryError(
+            f"model {name} has no alias {alias!r} in {cfg.mlflow_tracking_uri}; "
+            f"gate a version (`draftline gate`) and promote it (`draftline promote --version N`)"
+        )
+    return _resolved(cfg, mv, download)
+
+
+def alias_version_number(cfg: DraftlineConfig, alias: str = CHAMPION) -> Optional[str]:
+    """The version number an alias points at, or None (cheap: no download; for watchers)."""
+    mv = _alias_version(mlflow_client(cfg), cfg.registered_model_name, alias)
+    return None if mv is None else str(mv.version)
+
+
+def latest_version(cfg: DraftlineConfig) -> str:
+    client = mlflow_client(cfg)
+    name = cfg.registered_model_name
+    versions = client.search_model_versions(f"name='{name}'")
+    if not versions:
+        raise RegistryError(f"model {name} has no versions in {cfg.mlflow_tracking_uri}; train one first (`draftline train`)")
+    return str(max(int(mv.version) for mv in versions))
+
+
+def promote(cfg: DraftlineConfig, version: str | int) -> str:
+    """Point `champion` at a gate-passed version (old champion becomes `previous`); returns what was done."""
+    client = mlflow_client(cfg)
+    name = cfg.registered_model_name
+    candidate = get_version(cfg, version, download=False)
+    gate = candidate.tags.get(GATE_TAG)
+    if gate != GATE_PASSED:
+        if gate == GATE_FAILED:
+            reasons = candidate.tags.get(GATE_REASONS_TAG, "no reasons recorded")
+            raise PromotionRefused(f"refusing to promote {name} version {version}: it failed the gate ({reasons})")
+        raise PromotionRefused(
+            f"refusing to promote {name} version {version}: it was never gated; run `draftline gate --version {version}` first"
+        )
+    old = _alias_version(client, name, CHAMPION)
+    if old is not None and str(old.version) == candidate.version:
+        return f"{name} version {candidate.version} is already the champion; nothing changed"
+    if old is not None:
+        client.set_registered_model_alias(name, PREVIOUS, str(old.version))
+    client.set_registered_model_alias(name, CHAMPION, candidate.version)
+    before = f"(previous champion {old.version} is now '{PREVIOUS}')" if old is not None else "(there was no champion)"
+    return f"promoted {name} version {candidate.version} to '{CHAMPION}' {before}"
+
+
+def rollback(cfg: DraftlineConfig) -> str:
+    """Point `champion` back at `previous` and drop `previous`; returns what was done."""
+    client = mlflow_client(cfg)
+    name = cfg.registered_model_name
+    previous = _alias_version(client, name, PREVIOUS)
+    if previous is None:
+        raise RegistryError(f"cannot roll back {name}: there is no '{PREVIOUS}' alias (nothing was promoted over a champion)")
+    current = _alias_version(client, name, CHAMPION)
+    client.set_registered_model_alias(name, CHAMPION, str(previous.version))
+    client.delete_registered_model_alias(name, PREVIOUS)
+    was = f"from version {current.version} " if current is not None else ""
+    return f"rolled back {name} '{CHAMPION}' {was}to version {previous.version}; alias '{PREVIOUS}' removed"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from draftline.cli import add_config_args
+
+    promote_parser = subparsers.add_parser(
+        "promote", help="make a gate-passed drafter version the champion", description=promote.__doc__
+    )
+    promote_parser.add_argument("--version", required=True, help="registered model version to promote")
+    add_config_args(promote_parser)
+    promote_parser.set_defaults(func=_promote_command)
+
+    rollback_parser = subparsers.add_parser(
+        "rollback", help="restore the previous champion", description=rollback.__doc__
+    )
+    add_config_args(rollback_parser)
+    rollback_parser.set_defaults(func=_rollback_command)
+
+
+def _run(action, *args) -> int:
+    try:
+        print(action(*args))
+    except RegistryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _roll_serving(cfg: DraftlineConfig) -> int:
+    """If `draftline serve` runs for this data dir, roll it to the new champion (docs/serving.md)."""
+    from draftline.serving.control import ServingError, roll_if_serving
+
+    try:
+        message = roll_if_serving(cfg)
+    except ServingError as err:
+        print(f"error: the registry changed but serving did not follow: {err}", file=sys.stderr)
+        return 1
+    if message:
+        print(message)
+    return 0
+
+
+def _promote_command(args: argparse.Namespace) -> int:
+    from draftline.cli import config_from_args
+
+    cfg = config_from_args(args)
+    status = _run(promote, cfg, args.version)
+    return status if status else _roll_serving(cfg)
+
+
+def _rollback_command(args: argparse.Namespace) -> int:
+    from draftline.cli import config_from_args
+
+    cfg = config_from_args(args)
+    status = _run(rollback, cfg)
+    return status if status else _roll_serving(cfg)

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# GPU smoke test of the SGLang engine with a real server: tiny target + an exported EAGLE-3 drafter.
+#   scripts/gpu_smoke.sh [DRAFTER_EXPORT_DIR]
+# 1. makes sure an interpreter with a full SGLang (pinned) exists: $SGLANG_PYTHON, else .venv-sglang-gpu
+#    (created with `pip install sglang[all]==$SGLANG_VERSION` when missing: needs the network);
+# 2. bootstraps the tiny target (cached) and uses DRAFTER_EXPORT_DIR, or fits a quick drafter in-process;
+# 3. launches `python -m sglang.launch_server` through SGLangEngine (preflighted command, /health wait),
+#    sends a few requests, checks spec stats, then runs the bench (target-only vs EAGLE-3 on the same server type).
+# Prints PASS or FAIL (with the reason) as its last line; the whole run is capped at 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
+DRAFTLINE_PYTHON="${DRAFTLINE_PYTHON:-.venv/bin/python}"
+SGLANG_PYTHON="${SGLANG_PYTHON:-.venv-sglang-gpu/bin/python}"
+DRAFTER_DIR="${1:-}"
+TIME_LIMIT_S="${GPU_SMOKE_TIME_LIMIT_S:-470}"
+started_s=$(date +%s)
+
+fail() { echo "FAIL: $*"; exit 1; }
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader \
+    || fail "no nvidia-smi: this smoke test needs a GPU machine"
+[ -x "$DRAFTLINE_PYTHON" ] || fail "$DRAFTLINE_PYTHON missing: create the draftline venv first (see README)"
+
+if ! "$SGLANG_PYTHON" -c "import sglang, sglang.srt.entrypoints.http_server" 2>/dev/null; then
+    echo "[gpu-smoke] installing sglang[all]==$SGLANG_VERSION into .venv-sglang-gpu"
+    python3 -m venv .venv-sglang-gpu || fail "cannot create .venv-sglang-gpu"
+    timeout 300 .venv-sglang-gpu/bin/pip install --quiet "sglang[all]==$SGLANG_VERSION" \
+        || fail "pip install sglang[all]==$SGLANG_VERSION failed (no network? set SGLANG_PYTHON to an existing install)"
+    SGLANG_PYTHON=.venv-sglang-gpu/bin/python
+fi
+installed=$("$SGLANG_PYTHON" -c "import sglang; print(sglang.__version__)") || fail "sglang does not import"
+[ "$installed" = "$SGLANG_VERSION" ] || echo "[gpu-smoke] warning: sglang $installed installed, $SGLANG_VERSION pinned"
+
+left_s=$(( TIME_LIMIT_S - ($(date +%s) - started_s) ))
+[ "$left_s" -gt 60 ] || fail "install used the time budget"
+
+PYTHONPATH=platform timeout "$left_s" "$DRAFTLINE_PYTHON" - "$SGLANG_PYTHON" "$installed" "$DRAFTER_DIR" <<'PY'
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from draftline.bench.cli import run_bench
+from draftline.bench.runner import format_table
+from draftline.config import load_config
+from draftline.engines import make_engine
+from draftline.engines.base import SamplingParams
+
+sglang_python, sglang_version, drafter_arg = sys.argv[1], sys.argv[2], sys.argv[3]
+cfg = load_config(
+    "configs/tiny-cpu.yaml",
+    [
+        "engine.backend=sglang",
+        "engine.device=cuda",
+        f"engine.sglang.python={sglang_python}",
+        f"engine.sglang.version={sglang_version}",
+        "engine.sglang.port=30123",
+        "engine.sglang.mem_fraction_static=0.3",
+        "engine.sglang.attention_backend=triton",  # the tiny target's head_dim (48) is not a FlashInfer size
+        "engine.sglang.startup_timeout_s=240",
+        "engine.sglang.extra_args=['--disable-cuda-graph']",  # startup time matters more than speed here
+        "bench.num_prompts=8",
+        "bench.concurrency=[1,4]",
+        "bench.max_new_tokens=32",
+    ],
+)
+from draftline.data.prepare import prepare
+from draftline.target.load import resolve_target_dir
+
+target_dir = resolve_target_dir(cfg)
+if drafter_arg:
+    drafter_dir = Path(drafter_arg)
+else:
+    from draftline.bench.quick_drafter import quick_drafter
+
+    drafter_dir = quick_drafter(cfg, target_dir, prepare(cfg, target_dir), steps=300)
+print(f"[gpu-smoke] target {target_dir}, drafter {drafter_dir}", flush=True)
+
+
+async def requests() -> list:
+    engine = make_engine(cfg, target_dir, drafter_dir, model_version="smoke")
+    started = time.perf_counter()
+    await engine.start()
+    print(f"[gpu-smoke] server healthy after {time.perf_counter() - started:.0f} s", flush=True)
+    try:
+        results = []
+        for prompt in ([1, 4, 300, 301, 302], [1, 4, 500, 20, 21, 5]):
+            chunks = [c async for c in engine.generate(prompt, SamplingParams(max_new_tokens=24))]
+            results.append(chunks)
+        return results
+    finally:
+        await engine.stop()
+
+
+problems = []
+for chunks in asyncio.run(requests()):
+    tokens = [t for c in chunks for t in c.token_ids]
+    final = chunks[-1]
+    print(f"[gpu-smoke] {len(tokens)} tokens, finish {final.finish_reason}, stats {final.stats}", flush=True)
+    if not tokens or not final.finished:
+        problems.append("a request returned no tokens or never finished")
+    elif final.stats is None or final.stats.verify_steps == 0:
+        problems.append("no spec_verify_ct in meta_info: speculative decoding did not run")
+report = run_bench(cfg, [("eagle3", drafter_dir, None)])
+print(format_table(report["rows"]))
+Path("gpu_smoke_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+eagle = [r for r in report["rows"] if r["label"] == "eagle3"]
+if not eagle or any((r["accept_length"] or 0) <= 1.0 for r in eagle):
+    problems.append(f"accept length not above 1: {[r['accept_length'] for r in eagle]}")
+if problems:
+    print("FAIL: " + "; ".join(problems))
+    sys.exit(1)
+print("PASS: SGLang served the tiny target with the EAGLE-3 drafter; bench in gpu_smoke_bench.json")
+PY
+status=$?
+[ $status -eq 124 ] && fail "time limit ${TIME_LIMIT_S}s reached"
+exit $status

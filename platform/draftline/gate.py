@@ -20,6 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from draftline.bench.runner import BASELINE
 from draftline.config import DraftlineConfig, GateConfig
 from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_RUN_TAG, GATE_TAG
 
@@ -38,6 +39,36 @@ class GateDecision:
     checks: list[Check] = field(default_factory=list)
     champion_version: Optional[str] = None
     run_id: Optional[str] = None
+    bench: dict = field(default_factory=dict, repr=False)  # the bench report the checks were made on
+
+    def to_record(self) -> dict:
+        """A compact summary for the pipeline's stage record and report (candidate at the lowest concurrency)."""
+        rows = sorted(_rows(self.bench, f"v{self.version}"), key=lambda row: row["concurrency"]) if self.bench else []
+        first = rows[0] if rows else {}
+        baseline = next((r for r in self.bench.get("rows", []) if r["label"] == BASELINE
+                         and r["concurrency"] == first.get("concurrency")), {})
+        return {
+            "version": self.version,
+            "passed": self.passed,
+            "reasons": [c.detail for c in self.checks if not c.passed],
+            "checks": {c.name: c.passed for c in self.checks},
+            "run_id": self.run_id,
+            "champion_version": self.champion_version,
+            "bench": {
+                "concurrency": first.get("concurrency"),
+                "accept_length": first.get("accept_length"),
+                "speedup": first.get("speedup"),
+                "cpu_speedup": first.get("cpu_speedup"),
+                "tokens_per_s": first.get("output_tokens_per_s"),
+                "baseline_tokens_per_s": baseline.get("output_tokens_per_s"),
+                "ttft_p50_ms": first.get("ttft_ms_p50"),
+                "itl_p50_ms": first.get("itl_ms_p50"),
+                "itl_p99_ms": first.get("itl_ms_p99"),
+                "lossless": all(r["lossless"] is True for r in rows) if rows else None,
+                "per_request_accept_lengths": first.get("per_request_accept_lengths", []),
+                "rows": [{k: v for k, v in r.items() if k != "per_request_accept_lengths"} for r in self.bench.get("rows", [])],
+            },
+        }
 
     @property
     def reasons(self) -> str:
@@ -130,7 +161,8 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
     log(f"[gate] {cfg.registered_model_name} version {version}" + (f" vs champion {champion.version}" if champion else ""))
     report = run_bench(cfg, candidates, sweep=False, temperature=0.0, log=log)
     checks = decide(cfg.gate, report, candidate_label, champion_label)
-    decision = GateDecision(version, all(c.passed for c in checks), checks, champion.version if champion else None)
+    decision = GateDecision(version, all(c.passed for c in checks), checks, champion.version if champion else None,
+                            bench=report)
 
     client = mlflow_client(cfg)
     name = cfg.registered_model_name
@@ -152,7 +184,8 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
                     mlflow.log_metric(key, row[key], step=row["concurrency"])
         for check in checks:
             mlflow.log_metric(f"check_{check.name}", float(check.passed))
-        mlflow.log_dict({"decision": asdict(decision), "reasons": decision.reasons, "bench": report}, "gate.json")
+        mlflow.log_dict({"decision": {k: v for k, v in asdict(decision).items() if k != "bench"}, "reasons": decision.reasons,
+                         "bench": report}, "gate.json")
     decision.run_id = run.info.run_id
     client.set_model_version_tag(name, version, GATE_TAG, outcome)
     client.set_model_version_tag(name, version, GATE_REASONS_TAG, decision.reasons)

@@ -100,6 +100,7 @@ class LoadRow:
             "cpu_speedup": round(self.cpu_speedup, 3) if self.cpu_speedup is not None else None,
             "decode_speedup": round(self.decode_speedup, 3) if self.decode_speedup is not None else None,
             "lossless": self.lossless,
+            "per_request_accept_lengths": [round(r.stats.accept_length, 3) for r in self.requests if r.stats.verify_steps],
         }
 
 

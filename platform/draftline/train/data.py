@@ -1,0 +1,187 @@
+"""What a training worker reads: hidden-state samples in a deterministic per-step order, and the frozen target head.
+
+Sample order. Global step s consumes world_size * micro_batch_size sample positions; position p belongs to epoch
+p // N and is sample order_e[p % N] of that epoch. Rank r takes positions s*W*B + r*B .. + B. The order is a
+function of (seed, step, rank, world size) only, so a worker restarted from a checkpoint at step s reads exactly what
+it would have read without the failure: the checkpoint stores the step, not an iterator.
+order_e shuffles the shards, then the samples inside each shard (seeded per epoch): consecutive positions come from
+the same shard, so a worker loads each shard about once per epoch instead of once per sample (shards are tens of MB
+to GB; the reader keeps one in memory).
+
+Frozen target head. The drafter's input embeddings come from the target's embedding and its training targets from
+the target's lm_head over `final_hidden`; only those two matrices are read from the target's safetensors (not the
+whole model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
+LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+
+
+def epoch_order(shard_sizes: Sequence[int], epoch: int, seed: int) -> torch.Tensor:
+    """Sample ids of one epoch: shards in a seeded random order, samples shuffled within each shard."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    starts = [0]
+    for size in shard_sizes:
+        starts.append(starts[-1] + size)
+    pieces = []
+    for shard in torch.randperm(len(shard_sizes), generator=generator).tolist():
+        pieces.append(starts[shard] + torch.randperm(shard_sizes[shard], generator=generator))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def sample_indices_for_step(
+    step: int, rank: int, world_size: int, micro_batch_size: int, shard_sizes: Sequence[int], seed: int
+) -> list[int]:
+    """Sample ids rank `rank` trains on at `step` (0-based); see the module docstring for the order."""
+    num_samples = sum(shard_sizes)
+    if num_samples < 1:
+        raise ValueError("the train split has no samples: extract hidden states for a non-empty train split")
+    first = (step * world_size + rank) * micro_batch_size
+    indices = []
+    orders: dict[int, torch.Tensor] = {}
+    for position in range(first, first + micro_batch_size):
+        epoch = position // num_samples
+        if epoch not in orders:
+            orders[epoch] = epoch_order(shard_sizes, epoch, seed)
+        indices.append(int(orders[epoch][position % num_samples]))
+    return indices
+
+
+def val_indices_for_rank(num_samples: int, rank: int, world_size: int) -> range:
+    """A contiguous slice per rank (few shard loads); every sample is seen exactly once per validation."""
+    return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
+
+
+@dataclass
+class Batch:
+    """Right-padded samples. input_ids/loss_mask/attention_mask [B, L]; aux_hidden [B, L, n_aux*H]; final_hidden [B, L, H]."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor
+    aux_hidden: torch.Tensor
+    final_hidden: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "Batch":
+        return Batch(
+            input_ids=self.input_ids.to(device),
+            loss_mask=self.loss_mask.to(device),
+            attention_mask=self.attention_mask.to(device),
+            aux_hidden=self.aux_hidden.to(device, dtype),
+            final_hidden=self.final_hidden.to(device, dtype),
+        )
+
+
+def collate(samples: Sequence[dict]) -> Batch:
+    """Stack per-sample dicts (HiddenStateShards items) with right padding (pad id 0, masks 0, states 0)."""
+    if not samples:
+        raise ValueError("collate: no samples")
+    batch_size, longest = len(samples), max(len(s["input_ids"]) for s in samples)
+    first = samples[0]
+    input_ids = torch.zeros(batch_size, longest, dtype=torch.int64)
+    loss_mask = torch.zeros(batch_size, longest, dtype=torch.bool)
+    attention_mask = torch.zeros(batch_size, longest, dtype=torch.bool)
+    aux_hidden = first["aux_hidden"].new_zeros(batch_size, longest, first["aux_hidden"].shape[-1])
+    final_hidden = first["final_hidden"].new_zeros(batch_size, longest, first["final_hidden"].shape[-1])
+    for row, sample in enumerate(samples):
+        length = len(sample["input_ids"])
+        input_ids[row, :length] = sample["input_ids"]
+        loss_mask[row, :length] = sample["loss_mask"].bool()
+        attention_mask[row, :length] = True
+        aux_hidden[row, :length] = sample["aux_hidden"]
+        final_hidden[row, :length] = sample["final_hidden"]
+    return Batch(input_ids, loss_mask, attention_mask, aux_hidden, final_hidden)
+
+
+class TargetHead:
+    """The target's frozen token embedding [Vt, H] and lm_head [Vt, H], read alone from its safetensors."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        if embed_weight.shape != lm_head_weight.shape:
+            raise ValueError(
+                f"target embedding {tuple(embed_weight.shape)} and lm_head {tuple(lm_head_weight.shape)} differ in shape"
+            )
+        self.embed_weight = embed_weight
+        self.lm_head_weight = lm_head_weight
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_weight.shape[1]
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "TargetHead":
+        return TargetHead(self.embed_weight.to(device, dtype), self.lm_head_weight.to(device, dtype))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(input_ids, self.embed_weight)
+
+    def logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """Full target logits [..., Vt] from the target's final (normed) hidden state, computed in fp32."""
+        return final_hidden.float() @ self.lm_head_weight.float().t()
+
+
+def _weight_files(target_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, for a single-file or an index-sharded checkpoint."""
+    index_path = target_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return {name: target_dir / file for name, file in weight_map.items()}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{target_dir} has no *.safetensors files: the trainer reads the target's embedding and lm_head from "
+            "safetensors; convert the checkpoint (e.g. save_pretrained(..., safe_serialization=True))"
+        )
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                where[name] = path
+    return where
+
+
+def _read_tensor(where: dict[str, Path], candidates: Sequence[str]) -> torch.Tensor | None:
+    from safetensors import safe_open
+
+    for name in candidates:
+        if name in where:
+            with safe_open(str(where[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+    return None
+
+
+def load_target_head(target_dir: str | Path) -> TargetHead:
+    """Read embed_tokens and lm_head (the embedding again when tie_word_embeddings) from the target directory."""
+    target_dir = Path(target_dir)
+    hf_config = json.loads((target_dir / "config.json").read_text())
+    where = _weight_files(target_dir)
+    embed = _read_tensor(where, EMBED_NAMES)
+    if embed is None:
+        raise KeyError(f"{target_dir}: no token embedding among the weights (looked for {list(EMBED_NAMES)})")
+    lm_head = _read_tensor(where, LM_HEAD_NAMES)
+    if lm_head is None:
+        if not hf_config.get("tie_word_embeddings", False):
+            raise KeyError(
+                f"{target_dir}: no lm_head among the weights (looked for {list(LM_HEAD_NAMES)}) and "
+                "config.json does not set tie_word_embeddings"
+            )
+        lm_head = embed
+    return TargetHead(embed, lm_head)

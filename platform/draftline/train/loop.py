@@ -1,0 +1,405 @@
+"""One training worker (Ray Train + DeepSpeed): TTT steps, validation, checkpoints, rank-0 MLflow logging.
+
+Every attempt starts in `train_loop_per_worker`. With a Ray Train checkpoint present (a restart after a failure, or a
+rerun of the same training) the worker loads DeepSpeed's state (weights, optimizer, scheduler), the step counter,
+the best validation score and its RNG states from it, and continues: the sample order is a function of the step
+(see draftline.train.data), so nothing else needs restoring.
+
+A checkpoint is reported at every `checkpoint_every` steps, at the last step, and whenever a validation beats the
+best so far; each checkpoint carries fresh validation metrics of the weights it holds, so Ray's
+`checkpoint_score_attribute=val_est_accept_len` ranks checkpoints by what they contain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+from draftline.drafter.ttt import est_accept_len, target_signals, ttt_loss
+from draftline.train.data import Batch, TargetHead, collate, sample_indices_for_step, val_indices_for_rank
+
+DEEPSPEED_TAG = "deepspeed"
+TRAIN_STATE_FILE = "train_state.json"
+DRAFTER_SUBDIR = "drafter"
+RNG_SUBDIR = "rng"
+SCORE_METRIC = "val_est_accept_len"
+# Test hook (tests/e2e/test_train_fault.py): the last rank SIGKILLs itself at this step, once per marker file.
+KILL_AT_STEP_ENV = "DRAFTLINE_TEST_KILL_AT_STEP"
+KILL_MARKER_ENV = "DRAFTLINE_TEST_KILL_MARKER"
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _log(msg: str) -> None:
+    print(f"[train] {msg}", flush=True)
+
+
+class TTTObjective(nn.Module):
+    """The drafter plus its training-time-test loss, so DeepSpeed's engine forward is the whole objective."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, loss: str):
+        super().__init__()
+        self.drafter = drafter
+        self.steps, self.decay, self.loss = steps, decay, loss
+
+    def forward(self, input_embeds, aux_hidden, target_logits_draft, loss_mask, target_ids, attention_mask):
+        return ttt_loss(
+            self.drafter,
+            input_embeds,
+            aux_hidden,
+            target_logits_draft,
+            loss_mask,
+            target_ids=target_ids,
+            attention_mask=attention_mask,
+            steps=self.steps,
+            decay=self.decay,
+            loss=self.loss,
+        )
+
+
+def lr_multiplier(step: int, warmup_steps: int, max_steps: int, floor: float = 0.1) -> float:
+    """Linear warmup to 1, then cosine decay to `floor` at max_steps (step is 0-based, as the scheduler counts)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def deepspeed_config(train_cfg: Any) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": train_cfg.grad_clip,
+        "zero_optimization": {"stage": train_cfg.zero_stage},
+        # ZeRO wraps our torch AdamW (a non-fused optimizer that also runs on CPU); DeepSpeed asks to confirm that.
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": train_cfg.dtype == "bfloat16"},
+        "steps_per_print": 1 << 30,
+    }
+
+
+def is_checkpoint_step(step: int, train_cfg: Any) -> bool:
+    """`step` counts finished optimizer steps (1-based)."""
+    return step % train_cfg.checkpoint_every == 0 or step == train_cfg.max_steps
+
+
+def is_validation_step(step: int, train_cfg: Any) -> bool:
+    return step % train_cfg.val_every == 0 or is_checkpoint_step(step, train_cfg)
+
+
+class StepMetrics:
+    """Sums over ranks and batches of (loss_k * count_k, hits_k, count_k, total loss, batches, real tokens), turned
+    into averages once all-reduced."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.sums = torch.zeros(3 * steps + 3, dtype=torch.float64)
+
+    def add(self, total_loss: float, metrics: dict[str, float], tokens: int = 0) -> None:
+        for k in range(self.steps):
+            count = metrics[f"count_{k}"]
+            self.sums[k] += metrics[f"loss_{k}"] * count
+            self.sums[self.steps + k] += metrics[f"acc_{k}"] * count
+            self.sums[2 * self.steps + k] += count
+        self.sums[-3] += total_loss
+        self.sums[-2] += 1
+        self.sums[-1] += tokens
+
+    @property
+    def tokens(self) -> int:
+        return int(self.sums[-1])
+
+    def all_reduce(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
+
+    def averages(self, prefix: str = "") -> dict[str, float]:
+        steps, sums = self.steps, self.sums.tolist()
+        out: dict[str, float] = {f"{prefix}loss": sums[-3] / max(sums[-2], 1)}
+        accs = []
+        for k in range(steps):
+            count = sums[2 * steps + k]
+            out[f"{prefix}loss_{k}"] = sums[k] / count if count else 0.0
+            accs.append(sums[steps + k] / count if count else 0.0)
+            out[f"{prefix}acc_{k}"] = accs[-1]
+        out[f"{prefix}est_accept_len"] = est_accept_len(accs)
+        return out
+
+
+def objective_inputs(batch: Batch, head: TargetHead, t2d: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """Frozen-target inputs for the TTT objective: embeddings of the tokens, target logits over the draft vocab and
+    the target's argmax ids (from the full vocab)."""
+    with torch.no_grad():
+        input_embeds = head.embed(batch.input_ids).to(dtype)
+        target_logits_draft, target_ids = target_signals(head.logits(batch.final_hidden), t2d)
+    return (
+        input_embeds,
+        batch.aux_hidden,
+        target_logits_draft,
+        batch.loss_mask,
+        target_ids,
+        batch.attention_mask,
+    )
+
+
+def validate(engine, shards, head: TargetHead, t2d, micro_batch_size: int, rank: int, world_size: int, device, dtype, steps):
+    """Val metrics over the whole val split, each rank taking a contiguous slice; summed across ranks."""
+    totals = StepMetrics(steps)
+    indices = list(val_indices_for_rank(len(shards), rank, world_size))
+    engine.eval()
+    with torch.no_grad():
+        for start in range(0, len(indices), micro_batch_size):
+            batch = collate([shards[i] for i in indices[start : start + micro_batch_size]]).to(device, dtype)
+            loss, metrics = engine(*objective_inputs(batch, head, t2d, dtype))
+            totals.add(float(loss), metrics)
+    engine.train()
+    totals.all_reduce()
+    return totals.averages(prefix="val_")
+
+
+class MetricsLogger:
+    """Rank 0's MLflow writer: per-step metrics into the run the driver created, sent in batches."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None, enabled: bool):
+        self.enabled = bool(enabled and tracking_uri and run_id)
+        self.run_id = run_id
+        self.buffer: list = []
+        if self.enabled:
+            from mlflow import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        self.buffer.extend(Metric(key, float(value), now_ms, step) for key, value in metrics.items())
+
+    def flush(self) -> None:
+        if self.enabled and self.buffer:
+            for start in range(0, len(self.buffer), 1000):  # MLflow caps a batch at 1000 metrics
+                self.client.log_batch(self.run_id, metrics=self.buffer[start : start + 1000], synchronous=True)
+            self.buffer = []
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def save_drafter_weights(engine, directory: Path, rank: int, zero_stage: int) -> None:
+    """Rank 0 writes the drafter alone (drafter_state.pt + drafter_config.json) for export_from_checkpoint."""
+    from draftline.drafter.export import save_drafter_checkpoint
+
+    drafter = engine.module.drafter
+    if zero_stage == 3:
+        import deepspeed
+
+        # ZeRO-3 partitions parameters: gather them on every rank, rank 0 saves.
+        with deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None):
+            if rank == 0:
+                save_drafter_checkpoint(drafter, directory)
+    elif rank == 0:
+        save_drafter_checkpoint(drafter, directory)
+
+
+def save_and_report(engine, state: dict, metrics: dict, rank: int, zero_stage: int) -> None:
+    """DeepSpeed state (every rank writes its part) + train state + RNG + drafter weights, reported to Ray Train."""
+    import ray.train
+
+    local_dir = Path(tempfile.mkdtemp(prefix=f"draftline-ckpt-rank{rank}-"))
+    try:
+        engine.save_checkpoint(str(local_dir), tag=DEEPSPEED_TAG)
+        (local_dir / RNG_SUBDIR).mkdir(exist_ok=True)
+        torch.save(_rng_state(), local_dir / RNG_SUBDIR / f"rank_{rank}.pt")
+        save_drafter_weights(engine, local_dir / DRAFTER_SUBDIR, rank, zero_stage)
+        if rank == 0:
+            (local_dir / TRAIN_STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(local_dir)))
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def restore(engine, checkpoint, rank: int) -> dict:
+    """Load DeepSpeed state, RNG and the train state from a Ray Train checkpoint; returns the train state."""
+    with checkpoint.as_directory() as directory:
+        directory = Path(directory)
+        load_path, _ = engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+        if load_path is None:
+            raise RuntimeError(f"checkpoint {directory} has no DeepSpeed state under tag {DEEPSPEED_TAG!r}")
+        state = json.loads((directory / TRAIN_STATE_FILE).read_text())
+        rng_path = directory / RNG_SUBDIR / f"rank_{rank}.pt"
+        if rng_path.is_file():  # absent when resuming with more workers than before
+            _set_rng_state(torch.load(rng_path, weights_only=False))
+    return state
+
+
+def wait_for_committed_checkpoints() -> None:
+    """Block until Ray Train has registered every checkpoint reported so far (the controller collects reports by
+    polling; a worker that dies before the poll loses the checkpoint it just reported)."""
+    import ray.train
+
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def maybe_kill_for_test(fault: dict | None, step: int, rank: int, world_size: int,
+                        wait_for_checkpoints=wait_for_committed_checkpoints) -> None:
+    """Test hook: the last rank dies like a SIGKILLed process at `kill_at_step`, once per marker file, after the
+    checkpoints reported before are committed (so the test checks resume from a known checkpoint)."""
+    if not fault or step != fault["kill_at_step"] or rank != world_size - 1:
+        return
+    marker = Path(fault["marker"])
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(marker, "x") as handle:  # exclusive create: only the first attempt dies
+            handle.write(f"rank {rank} pid {os.getpid()} killed at step {step}\n")
+    except FileExistsError:
+        return
+    wait_for_checkpoints()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
+    drafter = Eagle3Drafter(DrafterConfig.from_dict(loop_config["drafter_config"]))
+    drafter.set_vocab(d2t, t2d)
+    with torch.no_grad():
+        # Start the draft lm_head as the target's own rows for the draft vocab: the drafter's first job is to
+        # predict what the target predicts, and this head already maps target-like states to target logits.
+        drafter.lm_head.weight.copy_(head.lm_head_weight[t2d.bool()].to(drafter.lm_head.weight.dtype))
+    return drafter
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """Ray Train entry point (one per worker; every attempt after a failure starts here again)."""
+    import deepspeed
+    import ray.train
+    import ray.train.torch
+
+    from draftline.config import DraftlineConfig
+    from draftline.extract.shards import HiddenStateShards
+    from draftline.train.data import load_target_head
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    cfg = DraftlineConfig.model_validate(loop_config["config"])
+    train_cfg = cfg.train
+    dtype = _TORCH_DTYPES[train_cfg.dtype]
+    if train_cfg.use_gpu:
+        device = ray.train.torch.get_device()
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, int(train_cfg.cpus_per_worker)))
+    torch.manual_seed(cfg.seed)
+
+    train_shards = HiddenStateShards(loop_config["train_location"])
+    val_shards = HiddenStateShards(loop_config["val_location"])
+    shard_sizes = [s["samples"] for s in train_shards.manifest["shards"]]
+    d2t, t2d = loop_config["d2t"], loop_config["t2d"]
+    head = load_target_head(loop_config["target_dir"]).to(device, dtype)
+    t2d_device = t2d.to(device)
+
+    drafter = build_drafter(loop_config, head, d2t, t2d)
+    objective = TTTObjective(drafter, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.loss)
+    optimizer = torch.optim.AdamW(
+        objective.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, betas=(0.9, 0.95)
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, train_cfg.warmup_steps, train_cfg.max_steps)
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(train_cfg)
+    )
+
+    state = {"step": 0, "best_val_est_accept_len": None, "best_step": None, "resumes": 0, "tokens_seen": 0}
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        state = restore(engine, checkpoint, rank)
+        state["resumes"] += 1
+        _log(f"rank {rank}: resumed from step {state['step']} (resume #{state['resumes']})")
+    logger = MetricsLogger(loop_config["tracking_uri"], loop_config["run_id"], enabled=rank == 0)
+    if checkpoint is not None:
+        logger.log({"resumed_at_step": state["step"]}, step=state["step"])
+
+    fault = loop_config.get("fault_injection")
+    while state["step"] < train_cfg.max_steps:
+        maybe_kill_for_test(fault, state["step"] + 1, rank, world_size)
+        started = time.perf_counter()
+        indices = sample_indices_for_step(
+            state["step"], rank, world_size, train_cfg.micro_batch_size, shard_sizes, cfg.seed
+        )
+        batch = collate([train_shards[i] for i in indices]).to(device, dtype)
+        loss, metrics = engine(*objective_inputs(batch, head, t2d_device, dtype))
+        engine.backward(loss)
+        engine.step()
+        state["step"] += 1
+        step = state["step"]
+
+        step_totals = StepMetrics(train_cfg.ttt_steps)
+        step_totals.add(float(loss.detach()), metrics, tokens=batch.num_tokens)
+        step_totals.all_reduce()
+        global_tokens = step_totals.tokens
+        step_s = time.perf_counter() - started
+        state["tokens_seen"] += global_tokens
+        step_metrics = {
+            **step_totals.averages(),
+            "lr": scheduler.get_last_lr()[0],
+            "tokens_per_s": global_tokens / step_s,
+            "tokens_per_s_per_worker": global_tokens / step_s / world_size,
+            "step_s": step_s,
+            "tokens_seen": state["tokens_seen"],
+        }
+        logger.log(step_metrics, step)
+
+        if is_validation_step(step, train_cfg):
+            val_metrics = validate(
+                engine, val_shards, head, t2d_device, train_cfg.micro_batch_size, rank, world_size, device, dtype,
+                train_cfg.ttt_steps,
+            )
+            score = val_metrics[SCORE_METRIC]
+            improved = state["best_val_est_accept_len"] is None or score > state["best_val_est_accept_len"]
+            if improved:
+                state["best_val_est_accept_len"], state["best_step"] = score, step
+            logger.log({**val_metrics, "best_val_est_accept_len": state["best_val_est_accept_len"]}, step)
+            if rank == 0:
+                _log(
+                    f"step {step}/{train_cfg.max_steps} loss {step_metrics['loss']:.3f} acc_0 "
+                    f"{step_metrics['acc_0']:.3f} | val acc_0 {val_metrics['val_acc_0']:.3f} "
+                    f"est_accept_len {score:.3f} | {step_metrics['tokens_per_s']:.0f} tokens/s"
+                )
+            if improved or is_checkpoint_step(step, train_cfg):
+                logger.flush()  # metrics up to a checkpoint are in MLflow before the checkpoint exists
+                report = {**val_metrics, "step": step, "tokens_seen": state["tokens_seen"]}
+                save_and_report(engine, state, report, rank, train_cfg.zero_stage)
+        if step % train_cfg.log_every == 0:
+            logger.flush()
+    logger.flush()

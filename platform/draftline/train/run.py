@@ -1,0 +1,410 @@
+"""Stage 4 driver: check inputs, create the MLflow run, run the Ray Train worker group, export and register the best.
+
+`train(cfg, hidden_dir, dataset_dir, target_dir) -> TrainResult`. The training hash covers the train config, the
+seed, the target, the dataset and the hidden states. It names the Ray Train run (so a restarted driver resumes
+from the last checkpoint instead of starting over) and the output `<data_dir>/drafters/<hash>/`:
+`drafter/` (the SGLang-loadable export of the best checkpoint), `train_result.json` (written last: the stage
+finished), `mlflow_run.json` (the run a restarted driver keeps logging into) and `resolved_config.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftline.config import ConfigError, DraftlineConfig, write_resolved
+from draftline.utils import atomic_write_json, read_json, stable_hash
+
+RESULT_FILE = "train_result.json"
+MLFLOW_RUN_FILE = "mlflow_run.json"
+EXPORT_SUBDIR = "drafter"
+ARTIFACT_PATH = "drafter"
+
+
+def _log(msg: str) -> None:
+    print(f"[train] {msg}", flush=True)
+
+
+@dataclass
+class TrainResult:
+    run_id: str
+    model_version: str
+    export_dir: Path
+    metrics: dict[str, float]
+    best_step: int
+    training_hash: str
+    wall_s: float
+    cached: bool = False
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def to_record(self) -> dict:
+        record = asdict(self)
+        record["export_dir"] = str(self.export_dir)
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict) -> "TrainResult":
+        return cls(**{**record, "export_dir": Path(record["export_dir"])})
+
+
+def git_commit() -> str:
+    """HEAD of the repository this code runs from; 'unknown' outside a git checkout (e.g. a Ray job working dir)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": "0.001"} (MLflow params are flat strings)."""
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+@dataclass
+class TrainInputs:
+    """Everything the workers need, checked on the driver before any worker starts."""
+
+    target_dir: Path
+    target_fingerprint: str
+    target_hf_config: Any
+    train_location: str
+    val_location: str
+    train_manifest: dict
+    val_manifest: dict
+    dataset_hash: str
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    aux_layer_ids: list[int]
+
+
+def _open_split(hidden_dir: str, split: str):
+    from draftline.extract.shards import HiddenStateShards, ShardError
+
+    location = f"{str(hidden_dir).rstrip('/')}/{split}"
+    try:
+        shards = HiddenStateShards(location)
+    except ShardError as err:
+        raise ConfigError(f"train: {split} hidden states: {err}") from None
+    if len(shards) == 0:
+        raise ConfigError(f"train: {location} holds no samples; check data.split and rerun `draftline extract`")
+    return location, shards
+
+
+def check_inputs(cfg: DraftlineConfig, hidden_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
+                 target_dir: str | os.PathLike) -> TrainInputs:
+    from transformers import AutoConfig
+
+    from draftline.data.prepare import load_vocab
+    from draftline.target.load import target_fingerprint
+
+    target_dir, dataset_dir = Path(target_dir), Path(dataset_dir)
+    fingerprint = target_fingerprint(target_dir)
+    hf_config = AutoConfig.from_pretrained(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    train_location, train_shards = _open_split(str(hidden_dir), "train")
+    val_location, val_shards = _open_split(str(hidden_dir), "val")
+    aux_layer_ids = train_shards.aux_layer_ids
+    for shards in (train_shards, val_shards):
+        shards.check_compatible(fingerprint, aux_layer_ids, int(hf_config.hidden_size))
+    manifest_path = dataset_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise ConfigError(f"train: {dataset_dir} has no manifest.json; pass the directory `draftline prepare` wrote")
+    dataset_hash = read_json(manifest_path)["dataset_hash"]
+    for split, shards in (("train", train_shards), ("val", val_shards)):
+        if shards.manifest["dataset_hash"] != dataset_hash:
+            raise ConfigError(
+                f"train: {split} hidden states in {shards.location} come from dataset {shards.manifest['dataset_hash']}, "
+                f"but the dataset dir {dataset_dir} is {dataset_hash}; the draft vocab must come from the same dataset. "
+                "Pass the matching dataset dir or re-extract"
+            )
+    d2t, t2d = load_vocab(dataset_dir)
+    if t2d.shape[0] != int(hf_config.vocab_size):
+        raise ConfigError(
+            f"train: t2d in {dataset_dir} covers {t2d.shape[0]} tokens, the target's vocab_size is {hf_config.vocab_size}"
+        )
+    return TrainInputs(
+        target_dir=target_dir,
+        target_fingerprint=fingerprint,
+        target_hf_config=hf_config,
+        train_location=train_location,
+        val_location=val_location,
+        train_manifest=train_shards.manifest,
+        val_manifest=val_shards.manifest,
+        dataset_hash=dataset_hash,
+        d2t=d2t,
+        t2d=t2d,
+        aux_layer_ids=aux_layer_ids,
+    )
+
+
+def training_hash(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
+    """Changes whenever the trained weights could: train config, seed, target, dataset, hidden states."""
+    train_section = cfg.train.model_dump(mode="json")
+    for not_affecting in ("max_failures", "log_every", "storage_uri"):
+        train_section.pop(not_affecting)
+    shard_hashes = [s["sha256"] for split in (inputs.train_manifest, inputs.val_manifest) for s in split["shards"]]
+    return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, shard_hashes)[:16]
+
+
+def _fault_injection_from_env() -> dict | None:
+    from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
+
+    step = os.environ.get(KILL_AT_STEP_ENV)
+    if not step:
+        return None
+    marker = os.environ.get(KILL_MARKER_ENV)
+    if not marker:
+        raise RuntimeError(f"{KILL_AT_STEP_ENV} is set but {KILL_MARKER_ENV} is not; set both or neither")
+    return {"kill_at_step": int(step), "marker": marker}
+
+
+def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash: str, inputs: TrainInputs) -> str:
+    """The driver owns the MLflow run (so its id is known); a restarted driver keeps logging into the same run."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Param, RunStatus
+    from mlflow.exceptions import MlflowException
+
+    from draftline.tracking import setup_mlflow
+
+    experiment_id = setup_mlflow(cfg)
+    client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
+    record_path = out_dir / MLFLOW_RUN_FILE
+    if record_path.is_file():
+        run_id = read_json(record_path)["run_id"]
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            run = None
+        if run is not None and run.info.status != RunStatus.to_string(RunStatus.FINISHED):
+            client.update_run(run_id, status="RUNNING")
+            _log(f"continuing MLflow run {run_id}")
+            return run_id
+    run = client.create_run(
+        experiment_id,
+        run_name=f"train-{cfg.target.name}-{train_hash}",
+        tags={"draftline.stage": "train", "training_hash": train_hash, "target_fingerprint": inputs.target_fingerprint,
+              "dataset_hash": inputs.dataset_hash},
+    )
+    run_id = run.info.run_id
+    params = {
+        **flatten(cfg.model_dump(mode="json")),
+        "inputs.training_hash": train_hash,
+        "inputs.target_dir": str(inputs.target_dir),
+        "inputs.target_fingerprint": inputs.target_fingerprint,
+        "inputs.dataset_hash": inputs.dataset_hash,
+        "inputs.train_hidden": inputs.train_location,
+        "inputs.val_hidden": inputs.val_location,
+        "inputs.aux_layer_ids": str(inputs.aux_layer_ids),
+        "inputs.train_samples": str(inputs.train_manifest["total_samples"]),
+        "inputs.train_tokens": str(inputs.train_manifest["total_tokens"]),
+    }
+    items = [Param(key, value[:6000]) for key, value in sorted(params.items())]
+    for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+        client.log_batch(run_id, params=items[start : start + 100])
+    atomic_write_json(record_path, {"run_id": run_id, "tracking_uri": cfg.mlflow_tracking_uri})
+    return run_id
+
+
+def _cached_result(cfg: DraftlineConfig, out_dir: Path) -> TrainResult | None:
+    """A finished training with this hash whose model version is in the configured registry (another tracking
+    store, e.g. a fresh MLflow server, gets the version registered again from the kept checkpoints)."""
+    from mlflow.exceptions import MlflowException
+
+    from draftline.tracking import mlflow_client
+
+    if not (out_dir / RESULT_FILE).is_file():
+        return None
+    result = TrainResult.from_record(read_json(out_dir / RESULT_FILE))
+    try:
+        version = mlflow_client(cfg).get_model_version(cfg.registered_model_name, result.model_version)
+    except MlflowException:
+        version = None
+    if version is None or version.tags.get("training_hash") != result.training_hash:
+        _log(f"{out_dir} finished before, but {cfg.registered_model_name} version {result.model_version} is not in "
+             f"{cfg.mlflow_tracking_uri}; exporting and registering again")
+        (out_dir / RESULT_FILE).unlink()
+        (out_dir / MLFLOW_RUN_FILE).unlink(missing_ok=True)
+        return None
+    result.cached = True
+    _log(f"cached: {out_dir} (MLflow run {result.run_id}, model version {result.model_version})")
+    return result
+
+
+def _best_checkpoint(result, score_metric: str):
+    """(checkpoint, metrics) with the highest validation score among those Ray Train kept."""
+    candidates = [(ckpt, metrics) for ckpt, metrics in (result.best_checkpoints or []) if score_metric in metrics]
+    if not candidates:
+        raise RuntimeError(
+            f"training finished without a checkpoint carrying {score_metric}; see the worker logs above "
+            f"({getattr(result, 'path', '?')})"
+        )
+    return max(candidates, key=lambda item: item[1][score_metric])
+
+
+def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from draftline.train.loop import SCORE_METRIC, train_loop_per_worker
+
+    train_cfg = cfg.train
+    resources_per_worker = {"CPU": train_cfg.cpus_per_worker}
+    if train_cfg.use_gpu:
+        resources_per_worker["GPU"] = 1
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend=train_cfg.backend),
+        scaling_config=ScalingConfig(
+            num_workers=train_cfg.num_workers, use_gpu=train_cfg.use_gpu, resources_per_worker=resources_per_worker
+        ),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=train_cfg.storage_uri or str(cfg.data_path("ray", "train")),
+            failure_config=FailureConfig(max_failures=train_cfg.max_failures),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=2, checkpoint_score_attribute=SCORE_METRIC, checkpoint_score_order="max"
+            ),
+        ),
+    )
+    return trainer.fit()
+
+
+def train(
+    cfg: DraftlineConfig,
+    hidden_dir: str | os.PathLike,
+    dataset_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+) -> TrainResult:
+    """Train, export the best checkpoint, log everything to MLflow and register a model version."""
+    from mlflow import MlflowClient
+
+    from draftline.drafter.export import export_from_checkpoint
+    from draftline.drafter.model import DrafterConfig
+    from draftline.raycluster import ensure_ray
+    from draftline.tracking import register_version
+    from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE
+
+    inputs = check_inputs(cfg, hidden_dir, dataset_dir, target_dir)
+    train_hash = training_hash(cfg, inputs)
+    out_dir = cfg.data_path("drafters", train_hash)
+    cached = _cached_result(cfg, out_dir)
+    if cached is not None:
+        return cached
+    write_resolved(cfg, out_dir)
+    drafter_config = DrafterConfig.from_target(
+        inputs.target_hf_config,
+        draft_vocab_size=int(inputs.d2t.shape[0]),
+        aux_layer_ids=inputs.aux_layer_ids,
+        num_attention_heads=cfg.train.num_attention_heads,
+        intermediate_size=cfg.train.intermediate_size,
+    )
+    run_id = _start_or_resume_mlflow_run(cfg, out_dir, train_hash, inputs)
+    loop_config = {
+        "config": cfg.model_dump(mode="json"),
+        "train_location": inputs.train_location,
+        "val_location": inputs.val_location,
+        "target_dir": str(inputs.target_dir),
+        "d2t": inputs.d2t,
+        "t2d": inputs.t2d,
+        "drafter_config": drafter_config.to_dict(),
+        "tracking_uri": cfg.mlflow_tracking_uri,
+        "run_id": run_id,
+        "fault_injection": _fault_injection_from_env(),
+    }
+    client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
+    _log(
+        f"{cfg.train.num_workers} worker(s) x {cfg.train.cpus_per_worker} CPU, gpu={cfg.train.use_gpu}, "
+        f"ZeRO-{cfg.train.zero_stage}, {cfg.train.dtype}; {inputs.train_manifest['total_samples']} train samples; "
+        f"{cfg.train.max_steps} steps; MLflow run {run_id}"
+    )
+    ensure_ray(cfg)
+    started = time.perf_counter()
+    try:
+        ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}")
+    except Exception as err:
+        client.set_terminated(run_id, status="FAILED")
+        raise RuntimeError(
+            f"training failed more than train.max_failures={cfg.train.max_failures} times ({err}). Checkpoints are "
+            f"kept under {cfg.train.storage_uri or cfg.data_path('ray', 'train')}/train-{train_hash}: fix the cause "
+            "and rerun the same command to resume from the last one"
+        ) from err
+    wall_s = time.perf_counter() - started
+
+    best_checkpoint, best_metrics = _best_checkpoint(ray_result, SCORE_METRIC)
+    with best_checkpoint.as_directory() as checkpoint_dir:
+        state = read_json(Path(checkpoint_dir) / TRAIN_STATE_FILE)
+        val_metrics = {k: float(v) for k, v in best_metrics.items() if k.startswith("val_")}
+        git = git_commit()
+        meta = {
+            "target_name": cfg.target.name,
+            "target_fingerprint": inputs.target_fingerprint,
+            "dataset_hash": inputs.dataset_hash,
+            "training_hash": train_hash,
+            "mlflow_run_id": run_id,
+            "git_commit": git,
+            "step": int(best_metrics["step"]),
+            "val_metrics": val_metrics,
+        }
+        export_dir = export_from_checkpoint(Path(checkpoint_dir) / DRAFTER_SUBDIR, out_dir / EXPORT_SUBDIR, meta=meta)
+    best_step = int(best_metrics["step"])
+    if state.get("best_step") is not None and state["best_step"] != best_step:
+        raise RuntimeError(
+            f"the kept checkpoint with the best {SCORE_METRIC} is from step {best_step}, but the workers tracked "
+            f"step {state['best_step']} as best; checkpoints in {ray_result.path} are inconsistent"
+        )
+
+    client.log_artifacts(run_id, str(export_dir), artifact_path=ARTIFACT_PATH)
+    steps = cfg.train.ttt_steps
+    tags = {
+        "target_fingerprint": inputs.target_fingerprint,
+        "dataset_hash": inputs.dataset_hash,
+        "git_commit": git,
+        "training_hash": train_hash,
+        "aux_layer_ids": str(inputs.aux_layer_ids),
+        "best_step": best_step,
+        SCORE_METRIC: f"{val_metrics[SCORE_METRIC]:.4f}",
+        **{f"val_acc_{k}": f"{val_metrics[f'val_acc_{k}']:.4f}" for k in range(steps)},
+    }
+    version = register_version(cfg, run_id, ARTIFACT_PATH, tags=tags)
+    summary = {"final_best_val_est_accept_len": val_metrics[SCORE_METRIC], "final_best_step": best_step,
+               "train_wall_s": wall_s}
+    final_step = int(ray_result.metrics.get("step", best_step)) if ray_result.metrics else best_step
+    for key, value in summary.items():
+        client.log_metric(run_id, key, float(value), step=final_step)
+    client.set_tag(run_id, "model_version", version)
+    client.set_terminated(run_id, status="FINISHED")
+
+    result = TrainResult(
+        run_id=run_id,
+        model_version=version,
+        export_dir=export_dir,
+        metrics=val_metrics,
+        best_step=best_step,
+        training_hash=train_hash,
+        wall_s=round(wall_s, 2),
+        tags={k: str(v) for k, v in tags.items()},
+    )
+    atomic_write_json(out_dir / RESULT_FILE, result.to_record())
+    _log(
+        f"best step {best_step}: val acc_0 {val_metrics['val_acc_0']:.3f}, est_accept_len "
+        f"{val_metrics[SCORE_METRIC]:.3f}; exported to {export_dir}; registered "
+        f"{cfg.registered_model_name} version {version}; {wall_s:.0f} s"
+    )
+    return result
+

@@ -1,0 +1,59 @@
+"""A training worker SIGKILLed mid-run: Ray Train restarts the group from the last checkpoint and the run continues
+(step counter, data position and MLflow metrics) to the same final step instead of starting over."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from draftline.extract.shards import HiddenStateShards
+from draftline.train.data import sample_indices_for_step
+from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
+from draftline.train.run import train
+from tests.train_helpers import hidden_states_of_test_target, short_run_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+MAX_STEPS = 8
+KILL_AT_STEP = 5  # after the step-3 checkpoint, before the step-6 one
+
+
+def expected_tokens_seen(shards: HiddenStateShards, steps: int, world_size: int, micro_batch_size: int, seed: int) -> int:
+    sizes = [s["samples"] for s in shards.manifest["shards"]]
+    return sum(
+        len(shards[i]["input_ids"])
+        for step in range(steps)
+        for rank in range(world_size)
+        for i in sample_indices_for_step(step, rank, world_size, micro_batch_size, sizes, seed)
+    )
+
+
+def test_killed_worker_resumes_from_checkpoint(ray_cluster, tiny_cfg, tiny_target_dir, tiny_dataset_dir, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    marker = tmp_path / "worker-killed"
+    monkeypatch.setenv(KILL_AT_STEP_ENV, str(KILL_AT_STEP))
+    monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
+    hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)
+    cfg = short_run_config(tmp_path, [f"train.max_steps={MAX_STEPS}", "train.max_failures=2"])
+    result = train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)
+
+    assert marker.exists(), "the kill hook did not fire: the test would prove nothing"
+    client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
+    resumed = client.get_metric_history(result.run_id, "resumed_at_step")
+    assert [m.value for m in resumed] == [3.0], "the restarted workers must resume from the step-3 checkpoint"
+
+    loss_steps = Counter(m.step for m in client.get_metric_history(result.run_id, "loss"))
+    assert sorted(loss_steps) == list(range(1, MAX_STEPS + 1)), "every step up to max_steps is logged"
+    assert all(loss_steps[step] == 1 for step in (1, 2, 3)), "steps before the checkpoint were not redone"
+    val_steps = sorted(m.step for m in client.get_metric_history(result.run_id, "val_est_accept_len"))
+    assert val_steps == [3, 6, 8]
+
+    # The data position continued: tokens seen equals one uninterrupted pass over steps 0..MAX_STEPS-1.
+    train_shards = HiddenStateShards(hidden_dir / "train")
+    expected = expected_tokens_seen(train_shards, MAX_STEPS, cfg.train.num_workers, cfg.train.micro_batch_size, cfg.seed)
+    tokens_history = client.get_metric_history(result.run_id, "tokens_seen")
+    assert max(m.step for m in tokens_history) == MAX_STEPS
+    assert [m.value for m in tokens_history if m.step == MAX_STEPS][-1] == expected
+    assert result.best_step in (3, 6, 8)

@@ -1,0 +1,140 @@
+"""Pieces of the training worker and driver that run without Ray (tiny tensors)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftline.config import load_config
+from draftline.drafter.model import DrafterConfig
+from draftline.drafter.ttt import est_accept_len, target_signals, ttt_loss
+from draftline.train.data import TargetHead, collate
+from draftline.train.loop import (
+    StepMetrics,
+    TTTObjective,
+    build_drafter,
+    deepspeed_config,
+    is_checkpoint_step,
+    is_validation_step,
+    lr_multiplier,
+    maybe_kill_for_test,
+    objective_inputs,
+)
+from draftline.train.run import flatten
+
+HIDDEN, TARGET_VOCAB, DRAFT_VOCAB = 16, 40, 24
+
+
+def _drafter_config() -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
+        draft_vocab_size=DRAFT_VOCAB, target_vocab_size=TARGET_VOCAB, target_hidden_size=HIDDEN,
+        aux_layer_ids=(1, 3, 4),
+    )
+
+
+def _vocab() -> tuple[torch.Tensor, torch.Tensor]:
+    draft_targets = torch.randperm(TARGET_VOCAB, generator=torch.Generator().manual_seed(1))[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(TARGET_VOCAB, dtype=torch.bool)
+    t2d[draft_targets] = True
+    return draft_targets - torch.arange(DRAFT_VOCAB), t2d
+
+
+def _samples(lengths=(7, 5)) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {
+            "input_ids": torch.randint(0, TARGET_VOCAB, (n,), generator=generator),
+            "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux_hidden": torch.randn(n, 3 * HIDDEN, generator=generator),
+            "final_hidden": torch.randn(n, HIDDEN, generator=generator),
+        }
+        for n in lengths
+    ]
+
+
+def test_objective_is_ttt_loss_on_frozen_target_signals():
+    torch.manual_seed(0)
+    head = TargetHead(torch.randn(TARGET_VOCAB, HIDDEN), torch.randn(TARGET_VOCAB, HIDDEN))
+    d2t, t2d = _vocab()
+    drafter = build_drafter({"drafter_config": _drafter_config().to_dict()}, head, d2t, t2d)
+    assert torch.equal(drafter.lm_head.weight, head.lm_head_weight[t2d])
+    objective = TTTObjective(drafter, steps=3, decay=0.8, loss="soft")
+    batch = collate(_samples())
+    loss, metrics = objective(*objective_inputs(batch, head, t2d, torch.float32))
+
+    full_logits = batch.final_hidden @ head.lm_head_weight.t()
+    draft_logits, target_ids = target_signals(full_logits, t2d)
+    expected, expected_metrics = ttt_loss(
+        drafter, head.embed_weight[batch.input_ids], batch.aux_hidden, draft_logits, batch.loss_mask,
+        target_ids=target_ids, attention_mask=batch.attention_mask, steps=3, decay=0.8, loss="soft",
+    )
+    assert torch.allclose(loss, expected)
+    assert metrics == expected_metrics
+    loss.backward()
+    assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_step_metrics_weight_by_count_and_give_est_accept_len():
+    totals = StepMetrics(steps=2)
+    totals.add(1.0, {"loss_0": 2.0, "acc_0": 1.0, "count_0": 3, "loss_1": 4.0, "acc_1": 0.0, "count_1": 1}, tokens=10)
+    totals.add(3.0, {"loss_0": 1.0, "acc_0": 0.0, "count_0": 1, "loss_1": 1.0, "acc_1": 1.0, "count_1": 3}, tokens=5)
+    out = totals.averages(prefix="val_")
+    assert out["val_loss"] == pytest.approx(2.0)
+    assert out["val_loss_0"] == pytest.approx((2 * 3 + 1) / 4)
+    assert out["val_acc_0"] == pytest.approx(0.75)
+    assert out["val_acc_1"] == pytest.approx(0.75)
+    assert out["val_est_accept_len"] == pytest.approx(est_accept_len([0.75, 0.75]))
+    assert totals.tokens == 15
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor():
+    assert lr_multiplier(0, warmup_steps=4, max_steps=20) == pytest.approx(0.25)
+    assert lr_multiplier(3, warmup_steps=4, max_steps=20) == pytest.approx(1.0)
+    assert lr_multiplier(4, warmup_steps=4, max_steps=20) == pytest.approx(1.0)
+    assert lr_multiplier(12, warmup_steps=4, max_steps=20) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert lr_multiplier(20, warmup_steps=4, max_steps=20) == pytest.approx(0.1)
+    assert lr_multiplier(0, warmup_steps=0, max_steps=20) == pytest.approx(1.0)
+
+
+def test_checkpoint_and_validation_cadence():
+    cfg = load_config(None, ["train.max_steps=25", "train.checkpoint_every=10", "train.val_every=4"]).train
+    checkpoints = [s for s in range(1, 26) if is_checkpoint_step(s, cfg)]
+    validations = [s for s in range(1, 26) if is_validation_step(s, cfg)]
+    assert checkpoints == [10, 20, 25]
+    assert validations == [4, 8, 10, 12, 16, 20, 24, 25]  # every checkpoint carries fresh val metrics
+
+
+def test_deepspeed_config_follows_train_section():
+    cpu = deepspeed_config(load_config(None, ["train.micro_batch_size=3", "train.zero_stage=1"]).train)
+    assert cpu["train_micro_batch_size_per_gpu"] == 3 and cpu["zero_optimization"] == {"stage": 1}
+    assert cpu["bf16"] == {"enabled": False}
+    gpu = deepspeed_config(load_config(None, ["train.dtype=bfloat16", "train.zero_stage=2"]).train)
+    assert gpu["bf16"] == {"enabled": True} and gpu["zero_optimization"] == {"stage": 2}
+
+
+def test_kill_hook_fires_once_on_last_rank_only(tmp_path, monkeypatch):
+    events = []
+    monkeypatch.setattr("draftline.train.loop.os.kill", lambda pid, sig: events.append("kill"))
+
+    def kill_hook(fault, step, rank):
+        maybe_kill_for_test(fault, step, rank, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
+
+    fault = {"kill_at_step": 3, "marker": str(tmp_path / "marker")}
+    kill_hook(fault, step=3, rank=0)
+    kill_hook(fault, step=2, rank=1)
+    assert not events
+    kill_hook(fault, step=3, rank=1)
+    kill_hook(fault, step=3, rank=1)  # the restarted attempt passes the marker
+    assert events == ["wait", "kill"] and (tmp_path / "marker").exists()
+    kill_hook(None, step=3, rank=1)
+    assert events == ["wait", "kill"]
+
+
+def test_flatten_config_for_mlflow_params():
+    flat = flatten(load_config(None, ["train.lr=0.001"]).model_dump(mode="json"))
+    assert flat["train.lr"] == "0.001"
+    assert flat["engine.speculative.num_steps"] == "3"
+    assert all(isinstance(v, str) for v in flat.values())

@@ -41,8 +41,8 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
 
-    torch.set_num_threads(args.torch_threads)
-    cfg = load_config(args.config, [f"bench.rounds={args.rounds}", *args.overrides])
+    torch.set_num_threads(args.torch_threads)  # the quick drafter fit; the engines read engine.cpu_threads
+    cfg = load_config(args.config, [f"bench.rounds={args.rounds}", f"engine.cpu_threads={args.torch_threads}", *args.overrides])
     drafter_dir = Path(args.drafter) if args.drafter else None
     if drafter_dir is None:
         from draftline.bench.quick_drafter import quick_drafter

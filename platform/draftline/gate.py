@@ -201,7 +201,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--version", help="registered version to gate (default: the latest)")
-    parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the reference engine on CPU")
     add_config_args(parser)
     parser.set_defaults(func=_gate_command)
 
@@ -211,10 +210,6 @@ def _gate_command(args: argparse.Namespace) -> int:
     from draftline.registry import RegistryError
 
     cfg = config_from_args(args)
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
     try:
         decision = run_gate(cfg, args.version)
     except RegistryError as err:

@@ -32,7 +32,9 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
     ray.init(
         address="local",
         num_cpus=num_cpus or (cfg.ray.num_cpus if cfg else None),
-        include_dashboard=False,
+        # The dashboard serves Ray's state API, which Ray Train polls; it binds to loopback like the rest.
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}},
         log_to_driver=True,

@@ -19,7 +19,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def report_rows(summary: dict[str, dict]) -> list[tuple[str, str]]:
+def report_rows(summary: dict[str, dict], model_name: str) -> list[tuple[str, str]]:
     out = {name: s.get("outputs", {}) for name, s in summary.items()}
     rows: list[tuple[str, str]] = []
     boot = out.get("bootstrap")
@@ -27,11 +27,11 @@ def report_rows(summary: dict[str, dict]) -> list[tuple[str, str]]:
         rows.append(("target held-out perplexity (uniform)", f"{_fmt(boot.get('heldout_perplexity'), 1)} ({boot.get('uniform_perplexity')})"))
     train = out.get("train")
     if train:
-        val = train.get("val_metrics", {})
-        acc = [val.get(f"acc_{k}") for k in range(len([k for k in val if k.startswith("acc_")]))]
-        rows.append(("registered version", f"{train.get('model_name')} v{train.get('model_version')}"))
+        val = train.get("metrics", {})
+        acc = [val[f"val_acc_{k}"] for k in range(len(val)) if f"val_acc_{k}" in val]
+        rows.append(("registered version", f"{model_name} v{train.get('model_version')} (best step {train.get('best_step')})"))
         rows.append(("val acc per position", " ".join(_fmt(a) for a in acc) or "-"))
-        rows.append(("est accept length (val)", _fmt(val.get("est_accept_len"))))
+        rows.append(("est accept length (val)", _fmt(val.get("val_est_accept_len"))))
     gate = out.get("gate")
     if gate:
         bench = gate.get("bench", {})
@@ -103,7 +103,7 @@ def write_report(cfg: DraftlineConfig, summary: dict[str, dict], out_dir: Path) 
     from rich.console import Console
     from rich.table import Table
 
-    rows = report_rows(summary)
+    rows = report_rows(summary, cfg.registered_model_name)
     table = Table(title=f"draftline report: {cfg.name}")
     table.add_column("what")
     table.add_column("value")

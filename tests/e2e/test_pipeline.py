@@ -41,9 +41,9 @@ def test_tiny_pipeline_end_to_end_then_everything_skips(tmp_path):
     boot = summary["bootstrap"]["outputs"]
     assert boot["heldout_perplexity"] < boot["uniform_perplexity"] / 20
 
-    val = summary["train"]["outputs"]["val_metrics"]
-    assert val["acc_0"] >= 0.6, val
-    assert val["est_accept_len"] >= 2.0, val
+    val = summary["train"]["outputs"]["metrics"]
+    assert val["val_acc_0"] >= 0.6, val
+    assert val["val_est_accept_len"] >= 2.0, val
 
     gate = summary["gate"]["outputs"]
     assert gate["passed"], gate["reasons"]

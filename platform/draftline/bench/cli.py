@@ -133,7 +133,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-prompts", type=int, help="override bench.num_prompts")
     parser.add_argument("--prompts", help="jsonl prompt file (override bench.prompts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, which also checks losslessness")
-    parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the reference engine on CPU")
     parser.add_argument("--out", help="write the JSON report here")
     add_config_args(parser)
     parser.set_defaults(func=_bench_command)
@@ -159,10 +158,6 @@ def _bench_command(args: argparse.Namespace) -> int:
     from draftline.registry import RegistryError, get_version, latest_version
 
     cfg = apply_bench_overrides(config_from_args(args), args)
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
     version = None
     try:
         if args.drafter:

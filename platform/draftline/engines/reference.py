@@ -210,6 +210,8 @@ class ReferenceEngine:
     def load(self) -> None:
         from draftline.target.load import load_target
 
+        if self.device.type == "cpu" and self.cfg.engine.cpu_threads:
+            torch.set_num_threads(self.cfg.engine.cpu_threads)
         target = load_target(self.cfg, device=str(self.device), target_dir=self.target_dir)
         self.model, self.tokenizer = target.model, target.tokenizer
         self.max_positions = int(self.model.config.max_position_embeddings)

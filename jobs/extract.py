@@ -1,31 +1,16 @@
-"""Ray job: `ray job submit --working-dir . -- python jobs/extract.py --config configs/tiny-cpu.yaml [KEY=VALUE ...]`."""
+"""Ray job: `ray job submit --working-dir . -- python jobs/extract.py --config configs/tiny-cpu.yaml [KEY=VALUE ...]`.
+
+The same as `draftline extract`: it connects to RAY_ADDRESS, or starts a local Ray on 127.0.0.1.
+"""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
 
-from draftline.cli import config_from_args  # noqa: E402
-from draftline.config import ConfigError  # noqa: E402
-from draftline.extract.cli import add_extract_args, run_extract  # noqa: E402
-from draftline.raycluster import ensure_ray  # noqa: E402
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description="draftline stage 3: extract hidden states (Ray Train)")
-    add_extract_args(parser)
-    args = parser.parse_args()
-    try:
-        cfg = config_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    ensure_ray(cfg)
-    return run_extract(cfg, args.dataset_dir, args.split)
-
+from draftline.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["extract", *sys.argv[1:]]))

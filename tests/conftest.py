@@ -57,3 +57,14 @@ def tiny_dataset_dir(tiny_cfg, tiny_target_dir):
     from draftline.data.prepare import prepare
 
     return prepare(tiny_cfg, tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads and suffer badly from oversubscription on a shared 2-core box."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from draftline.bench.cli import best_per_concurrency, run_bench
 from draftline.bench.prompts import load_prompt_file, prompt_from_sample
@@ -15,12 +14,7 @@ from conftest import make_test_config
 SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16", "bench.concurrency=[1,2]"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ from registry_helpers import random_drafter
 CHAIN_AND_TREE = [(3, 1, 4), (5, 1, 6), (3, 2, 6), (4, 4, 8)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads and suffer badly from oversubscription on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def spec_overrides(num_steps: int, topk: int, draft_tokens: int) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import mlflow
 import pytest
-import torch
 
 from draftline.config import GateConfig
 from draftline.gate import decide, run_gate
@@ -15,12 +14,7 @@ from registry_helpers import mlflow_test_config, random_drafter, register_drafte
 SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16", "bench.concurrency=[1]"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def row(label, concurrency=1, accept=3.0, speedup=1.4, lossless=True, itl_p99=10.0):

@@ -19,7 +19,9 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def report_rows(summary: dict[str, dict], model_name: str) -> list[tuple[str, str]]:
+def report_rows(summary: dict[str, dict], model_name: str, served_steps: int) -> list[tuple[str, str]]:
+    from draftline.drafter.ttt import est_accept_len
+
     out = {name: s.get("outputs", {}) for name, s in summary.items()}
     rows: list[tuple[str, str]] = []
     boot = out.get("bootstrap")
@@ -31,7 +33,10 @@ def report_rows(summary: dict[str, dict], model_name: str) -> list[tuple[str, st
         acc = [val[f"val_acc_{k}"] for k in range(len(val)) if f"val_acc_{k}" in val]
         rows.append(("registered version", f"{model_name} v{train.get('model_version')} (best step {train.get('best_step')})"))
         rows.append(("val acc per position", " ".join(_fmt(a) for a in acc) or "-"))
-        rows.append(("est accept length (val)", _fmt(val.get("val_est_accept_len"))))
+        rows.append((f"est accept length (val, {len(acc)} steps)", _fmt(val.get("val_est_accept_len"))))
+        if acc:
+            # The same formula cut at the served chain length, to compare with the measured accept length.
+            rows.append((f"est accept length at served num_steps={served_steps}", _fmt(est_accept_len(acc[:served_steps]))))
     gate = out.get("gate")
     if gate:
         bench = gate.get("bench", {})
@@ -103,7 +108,7 @@ def write_report(cfg: DraftlineConfig, summary: dict[str, dict], out_dir: Path) 
     from rich.console import Console
     from rich.table import Table
 
-    rows = report_rows(summary, cfg.registered_model_name)
+    rows = report_rows(summary, cfg.registered_model_name, cfg.engine.speculative.num_steps)
     table = Table(title=f"draftline report: {cfg.name}")
     table.add_column("what")
     table.add_column("value")

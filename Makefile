@@ -24,7 +24,7 @@ demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
 
 test: setup
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

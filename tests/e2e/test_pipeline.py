@@ -36,7 +36,7 @@ def test_tiny_pipeline_end_to_end_then_everything_skips(tmp_path):
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     root = os.path.join(data_dir, "pipeline", "tiny-cpu")
     summary = read_json(os.path.join(root, "summary.json"))
-    assert list(summary) == ["bootstrap", "prepare", "extract", "train", "gate", "promote", "serve"]
+    assert set(summary) == {"bootstrap", "prepare", "extract", "train", "gate", "promote", "serve"}
 
     boot = summary["bootstrap"]["outputs"]
     assert boot["heldout_perplexity"] < boot["uniform_perplexity"] / 20

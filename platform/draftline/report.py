@@ -5,6 +5,7 @@ Reads only the stage records (`pipeline.run_pipeline` summary) and the training 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,8 @@ def write_report(cfg: DraftlineConfig, summary: dict[str, dict], out_dir: Path) 
     table.add_column("value")
     for what, value in rows:
         table.add_row(what, value)
-    Console().print(table)
+    # Logs and CI are not terminals: give the table room instead of rich's 80-column default.
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
     plots = _plots(cfg, summary, out_dir)
     lines = [f"# draftline report: {cfg.name}", "", "| what | value |", "|---|---|"]
     lines += [f"| {what} | {value.replace('|', '/')} |" for what, value in rows]

@@ -32,7 +32,9 @@ def _run(data_dir, port, *extra):
 
 def test_tiny_pipeline_end_to_end_then_everything_skips(tmp_path):
     data_dir = os.environ.get("DRAFTLINE_E2E_DATA_DIR", str(tmp_path / "data"))
-    first = _run(data_dir, _free_port())
+    # The same port both times: serve.port is part of the serve stage's inputs, so a new port would rerun it.
+    port = _free_port()
+    first = _run(data_dir, port)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     root = os.path.join(data_dir, "pipeline", "tiny-cpu")
     summary = read_json(os.path.join(root, "summary.json"))
@@ -59,7 +61,7 @@ def test_tiny_pipeline_end_to_end_then_everything_skips(tmp_path):
     for stage in summary:
         assert os.path.getsize(os.path.join(root, "logs", f"{stage}.log")) > 0
 
-    second = _run(data_dir, _free_port())
+    second = _run(data_dir, port)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     rerun = read_json(os.path.join(root, "summary.json"))
     assert {name: s["status"] for name, s in rerun.items()} == {name: "skipped" for name in summary}

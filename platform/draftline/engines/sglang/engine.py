@@ -258,18 +258,24 @@ class SGLangEngine:
     async def _stream(self, body: dict) -> AsyncIterator[GenerationChunk]:
         import httpx
 
+        streamed = False
         try:
             async with self._client.stream("POST", "/generate", json=body) as response:
                 if response.status_code != 200:
                     detail = (await response.aread()).decode(errors="replace")[:500]
                     raise SGLangError(f"SGLang /generate answered {response.status_code}: {detail}")
                 async for chunk in _chunks_of(response):
+                    streamed = True
                     yield chunk
                     if chunk.finished:
                         return
         except httpx.ConnectError:
             raise _NotConnected() from None
         except httpx.TransportError as err:
+            if not streamed:
+                # A pooled connection to a server that has just died (before the watcher saw it exit): nothing
+                # reached the caller, so the request can be sent again once the server is back.
+                raise _NotConnected() from None
             raise SGLangError(f"SGLang closed the stream mid-request (did the server crash?): {err!r}") from None
         raise SGLangError("SGLang closed the stream before the request finished (did the server crash?)")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -193,12 +194,29 @@ def plan(cfg: DraftlineConfig, from_stage: str | None = None, until: str | None 
     return names
 
 
+def relative_data_dir_in_ray_job(cfg: DraftlineConfig) -> str | None:
+    """A relative local data_dir inside `ray job submit --working-dir` lands in Ray's temporary copy of the code."""
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    if not (job_config.get("runtime_env") or {}).get("working_dir"):
+        return None
+    if os.path.isabs(os.path.expanduser(cfg.data_dir)):
+        return None
+    return (
+        f"data_dir {cfg.data_dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working dir: "
+        f"outputs, checkpoints and the MLflow registry would go to {cfg.data_path()} and be deleted with the "
+        f"session. Pass data_dir=/absolute/path (on a cluster: a filesystem every node mounts) after the config."
+    )
+
+
 def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_serving: bool = False,
                  until: str | None = None) -> dict:
     """Run (or skip) every stage; returns {stage: {"status", "seconds", "outputs"}}."""
     from rich.console import Console
 
     console = Console()
+    warning = relative_data_dir_in_ray_job(cfg)
+    if warning:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
     names = plan(cfg, from_stage, until)
     root = pipeline_dir(cfg)
     write_resolved(cfg, root)

@@ -1,18 +1,56 @@
-"""Connecting to Ray: a real cluster when RAY_ADDRESS / ray.address is set, else a local one on 127.0.0.1.
+"""Connecting to Ray: a real cluster when RAY_ADDRESS / ray.address is set, else a local one started here.
 
-Token authentication (Ray >= 2.5x turns it on for clusters it starts): on a real cluster draftline never touches
-it; jobs authenticate with the cluster's token (RAY_AUTH_TOKEN / ~/.ray/auth_token), and configs/cluster/ sets
-RAY_AUTH_MODE=token. For the local cluster this process starts itself, bound to 127.0.0.1 and gone when the
-process exits, we set RAY_AUTH_MODE=disabled explicitly (unless the user set a mode): nothing off this machine
-can reach it, and a token would be one more per-user file (~/.ray/auth_token) that concurrent test runs and CI
-would have to share. Set RAY_AUTH_MODE=token before starting to keep token auth locally too.
+Token authentication stays on, locally too. On a real cluster draftline never touches it: jobs authenticate with
+the cluster's token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token) and configs/cluster/ sets
+RAY_AUTH_MODE=token. For the local cluster this process starts itself, we considered turning it off, since the node
+is given 127.0.0.1 as its address. Measured with `ss -ltnp` on Ray 2.60: the GCS, the raylets and the workers listen
+on every interface whatever the node address is, so anyone who can reach the machine could otherwise run code in it.
+So, unless the user chose a mode, the local cluster runs with RAY_AUTH_MODE=token and a fresh random token that
+lives only in this process's environment (RAY_AUTH_TOKEN, inherited by Ray's processes and by subprocesses such as
+the CLI run from tests). It is never written to ~/.ray/auth_token, so concurrent runs and CI jobs never share or
+overwrite a per-user token file. RAY_AUTH_MODE=disabled before starting turns it off; RAY_AUTH_MODE=token with
+your own RAY_AUTH_TOKEN (or token file) uses yours.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 
 from draftline.config import DraftlineConfig
+
+
+def local_auth_env() -> dict[str, str]:
+    """Choose token auth for a local cluster (see the module docstring); returns what was set in os.environ."""
+    chosen: dict[str, str] = {}
+    if "RAY_AUTH_MODE" not in os.environ:
+        chosen["RAY_AUTH_MODE"] = "token"
+        if not os.environ.get("RAY_AUTH_TOKEN"):
+            chosen["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    os.environ.update(chosen)
+    if chosen:
+        # Ray reads RAY_AUTH_MODE into its config when it is first imported; re-read it, as Ray does itself when
+        # it turns token auth on by default (ray._private.authentication.authentication_token_setup).
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    return chosen
+
+
+def code_runtime_env() -> dict:
+    """Ship this process's draftline package to the cluster's workers (Ray `py_modules`).
+
+    `ray job submit --working-dir .` uploads the checkout, but the package lives under platform/, which is not on
+    the workers' path; and where the cluster's image has draftline installed, its version may differ from the code
+    that the driver runs. py_modules puts the driver's own copy first on every worker's path. Skipped when the job
+    was submitted with py_modules of its own: Ray refuses to merge the same field from job and driver.
+    """
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    if (job_config.get("runtime_env") or {}).get("py_modules"):
+        return {}
+    return {"py_modules": [os.path.dirname(os.path.abspath(__file__))]}
 
 
 def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) -> str:
@@ -23,20 +61,22 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
         return "cluster" if os.environ.get("RAY_ADDRESS") else "local"
     address = (cfg.ray.address if cfg else None) or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, runtime_env=code_runtime_env(), log_to_driver=True)
         return "cluster"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    local_auth_env()
     # Workers must import draftline even when it is not pip-installed (e.g. `python jobs/x.py` from a checkout).
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pythonpath = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         address="local",
         num_cpus=num_cpus or (cfg.ray.num_cpus if cfg else None),
-        # The dashboard serves Ray's state API, which Ray Train polls; it binds to loopback like the rest.
+        # The dashboard serves Ray's state API, which Ray Train polls; its HTTP server binds to loopback.
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}},
+        # The token reaches Ray's processes through the inherited environment, never through the runtime env
+        # (which the dashboard shows).
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
         log_to_driver=True,
     )
     return "local"

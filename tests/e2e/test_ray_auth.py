@@ -1,0 +1,56 @@
+"""Token authentication on the local Ray cluster draftline starts (see draftline.raycluster): Ray's servers listen on
+every interface, so the local cluster keeps token auth on with a per-process token. Real cluster, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.e2e]
+
+CONNECT = "import ray, sys; ray.init(address=sys.argv[1]); print('CONNECTED', ray.cluster_resources().get('CPU'))"
+
+
+def _connect(address: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CONNECT, address], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_local_cluster_refuses_a_client_without_its_token(ray_cluster):
+    import ray
+
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        pytest.skip(f"RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')} was set before this test run")
+    address = ray._private.worker.global_worker.node.gcs_address
+    with_token = _connect(address, dict(os.environ))
+    assert with_token.returncode == 0 and "CONNECTED" in with_token.stdout, with_token.stderr[-2000:]
+
+    without = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    refused = _connect(address, without)
+    assert refused.returncode != 0 and "CONNECTED" not in refused.stdout
+    assert "AuthenticationError" in refused.stderr, refused.stderr[-2000:]
+
+    wrong = _connect(address, {**os.environ, "RAY_AUTH_TOKEN": "0" * 64})
+    assert wrong.returncode != 0 and "CONNECTED" not in wrong.stdout
+
+
+@pytest.mark.parametrize(
+    "preset, expected",
+    [
+        ({}, {"RAY_AUTH_MODE": "token", "token_len": 64}),
+        ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "disabled", "token_len": 0}),
+        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "mine"}, {"RAY_AUTH_MODE": "token", "token_len": 4}),
+    ],
+)
+def test_auth_choice_respects_what_the_user_set(preset, expected):
+    """Run in a fresh process: the choice re-initialises Ray's config, which must not touch this test session's."""
+    code = ("import os, json; from draftline.raycluster import local_auth_env; local_auth_env(); "
+            "print(json.dumps({'RAY_AUTH_MODE': os.environ.get('RAY_AUTH_MODE'), "
+            "'token_len': len(os.environ.get('RAY_AUTH_TOKEN', ''))}))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **preset}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected

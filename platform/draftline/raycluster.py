@@ -8,7 +8,8 @@ on every interface whatever the node address is, so anyone who can reach the mac
 So, unless the user chose a mode, the local cluster runs with RAY_AUTH_MODE=token and a fresh random token that
 lives only in this process's environment (RAY_AUTH_TOKEN, inherited by Ray's processes and by subprocesses such as
 the CLI run from tests). It is never written to ~/.ray/auth_token, so concurrent runs and CI jobs never share or
-overwrite a per-user token file. RAY_AUTH_MODE=disabled before starting turns it off; RAY_AUTH_MODE=token with
+overwrite a per-user token file; `draftline serve` saves it (mode 0600) beside its state.json so that `draftline
+promote`/`rollback` from another shell can roll the running app. RAY_AUTH_MODE=disabled before starting turns it off; RAY_AUTH_MODE=token with
 your own RAY_AUTH_TOKEN (or token file) uses yours.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from pathlib import Path
 
 from draftline.config import DraftlineConfig
 
@@ -32,11 +34,42 @@ def local_auth_env() -> dict[str, str]:
     if chosen:
         # Ray reads RAY_AUTH_MODE into its config when it is first imported; re-read it, as Ray does itself when
         # it turns token auth on by default (ray._private.authentication.authentication_token_setup).
-        from ray._raylet import AuthenticationTokenLoader, Config
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        _refresh_ray_auth_config()
     return chosen
+
+
+def _refresh_ray_auth_config() -> None:
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def write_local_token(path: Path) -> str | None:
+    """Save this process's local-cluster token (mode 0600) for other local processes of the same user, such as
+    `draftline promote` rolling a `draftline serve` started in another shell. None when there is no token to save."""
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    if os.environ.get("RAY_AUTH_MODE") != "token" or not token:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token)
+    os.replace(tmp, path)
+    return str(path)
+
+
+def adopt_auth(mode: str, token_path: str | None = None) -> None:
+    """Connect with the auth settings a local cluster was recorded with, where the user has not set their own."""
+    chosen: dict[str, str] = {}
+    if mode and "RAY_AUTH_MODE" not in os.environ:
+        chosen["RAY_AUTH_MODE"] = mode
+    if mode == "token" and token_path and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        chosen["RAY_AUTH_TOKEN_PATH"] = token_path
+    os.environ.update(chosen)
+    if chosen:
+        _refresh_ray_auth_config()
 
 
 def code_runtime_env() -> dict:

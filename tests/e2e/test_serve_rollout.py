@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -104,6 +106,19 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     assert late and set(late) == {new}, "a request started after roll_to_champion returned was answered by the old version"
 
 
+# Connects the way `draftline promote`/`rollback` do, without touching the registry; exit 3 on a ServingError.
+PROBE_CONNECT = """
+import sys
+from draftline.config import load_config
+from draftline.serving.control import ServingError, connect_to_serving
+try:
+    connect_to_serving(load_config(sys.argv[1], sys.argv[2:]))
+except ServingError as err:
+    print("SERVING-ERROR", err)
+    sys.exit(3)
+"""
+
+
 def test_rollback_command_rolls_running_serving(registry, tmp_path_factory):
     """`draftline rollback` (the registry CLI) finds the running app through state.json and rolls it."""
     from draftline.registry import promote
@@ -117,7 +132,17 @@ def test_rollback_command_rolls_running_serving(registry, tmp_path_factory):
         assert httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"] == new
         overrides = TEST_OVERRIDES + [f"data_dir={cfg.data_dir}"] + extra + [f"serve.port={port}"]
         command = [sys.executable, "-m", "draftline.cli", "rollback", "-c", str(REPO / "configs" / "tiny-cpu.yaml"), *overrides]
-        env = {**os.environ, "PYTHONPATH": str(REPO / "platform")}
+        # Like a user's second shell: no RAY_AUTH_TOKEN; the token comes from the 0600 file state.json names.
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+        env["PYTHONPATH"] = str(REPO / "platform")
+        token_file = Path(cfg.data_dir) / "serve" / "ray_auth_token"
+        if os.environ.get("RAY_AUTH_MODE") == "token":
+            assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+            # A wrong token: connecting (before anything in the registry changes) fails with a message, not silence.
+            refused = subprocess.run([sys.executable, "-c", PROBE_CONNECT, str(REPO / "configs" / "tiny-cpu.yaml"), *overrides],
+                                     capture_output=True, text=True, timeout=300, env={**env, "RAY_AUTH_TOKEN": "0" * 64})  # fmt: skip
+            assert refused.returncode == 3, refused.stdout[-3000:] + refused.stderr[-3000:]
+            assert "could not connect" in refused.stdout and "RAY_AUTH_TOKEN" in refused.stdout
         started = time.monotonic()
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
         print(f"`draftline rollback` took {time.monotonic() - started:.1f} s:\n{done.stdout}{done.stderr[-2000:]}")

@@ -129,11 +129,17 @@ def wait_until_serving(cfg: DraftlineConfig, wanted: ServedModel, timeout_s: Opt
 def _write_state(cfg: DraftlineConfig, ray_mode: str) -> None:
     import ray
 
+    from draftline.raycluster import write_local_token
+
+    # The token of a local cluster lives only in this process's environment; other local processes of the user
+    # (`draftline promote` in another shell) read it from a 0600 file. A real cluster's token is the user's own.
+    token_path = write_local_token(cfg.data_path("serve", "ray_auth_token")) if ray_mode == "local" else None
     atomic_write_json(
         state_path(cfg),
         {
             "ray_address": ray.get_runtime_context().gcs_address,
             "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", ""),
+            "ray_auth_token_path": token_path,
             "local_cluster": ray_mode == "local",
             "base_url": base_url(cfg),
             "app_name": APP_NAME,
@@ -220,11 +226,23 @@ def connect_to_serving(cfg: DraftlineConfig) -> bool:
     state = json.loads(path.read_text())
     if state.get("local_cluster") and not _process_alive(state["pid"]):
         return False  # the local Ray of a `draftline serve` that has exited
-    if state.get("ray_auth_mode"):
-        os.environ.setdefault("RAY_AUTH_MODE", state["ray_auth_mode"])
+    from draftline.raycluster import adopt_auth
+
+    adopt_auth(state.get("ray_auth_mode", ""), state.get("ray_auth_token_path"))
     try:
         ray.init(address=state["ray_address"], log_to_driver=False)
-    except (ConnectionError, RuntimeError) as err:
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as err:
+        # Ray 2.60: a missing token is an AuthenticationError; a wrong one is a ConnectionError after ~20 s of
+        # retries. A local cluster whose process is alive is there, so failing to reach it is an error, not "idle".
+        refused = isinstance(err, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(err)
+        if refused or state.get("local_cluster"):
+            raise ServingError(
+                f"could not connect to the Ray cluster at {state['ray_address']} that serves this data dir "
+                f"({path}, written by process {state.get('pid')}, still running): "
+                f"{str(err).strip().splitlines()[-1][:200]}. With token authentication, run with that cluster's "
+                f"token in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH (a local `draftline serve` saves its token at "
+                f"{state.get('ray_auth_token_path')})"
+            ) from err
         logger.info("serving recorded in %s is not reachable (%s)", path, err)
         return False
     return True

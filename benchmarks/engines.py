@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO / "platform"))
 from draftline.bench.cli import run_bench  # noqa: E402
 from draftline.bench.runner import format_table  # noqa: E402
 from draftline.config import load_config  # noqa: E402
+from draftline.utils import atomic_write_json  # noqa: E402
 
 
 def main() -> int:
@@ -66,7 +67,7 @@ def main() -> int:
     if fit.exists():
         report["drafter_fit"] = json.loads(fit.read_text())
     print(format_table(report["rows"]))
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write_json(args.out, report)
     print(f"[bench] wrote {args.out}")
     return 0
 

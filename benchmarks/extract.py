@@ -176,8 +176,7 @@ def main() -> int:
               f"{r['ratio_to_bare_base_model']:.2f} | {r['ratio_to_bare_causal_lm']:.2f} | {scaling:.2f}x | "
               f"{r['wall_s']:.1f} | {r['bytes_per_token']:.0f} |")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        atomic_write_json(args.out, report)
     return 0
 
 

@@ -13,7 +13,6 @@ overhead per worker.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,6 +31,7 @@ from draftline.extract.run import extract  # noqa: E402
 from draftline.raycluster import ensure_ray  # noqa: E402
 from draftline.target.load import resolve_target_dir  # noqa: E402
 from draftline.train.run import train  # noqa: E402
+from draftline.utils import atomic_write_json  # noqa: E402
 
 
 def bare_objective_in_ray(cfg, hidden_dir: Path, dataset_dir: Path, target_dir: Path, steps: int, warmup: int) -> dict:
@@ -158,8 +158,7 @@ def main() -> int:
               f"{r['tokens_per_s_per_worker'] / bare['tokens_per_s']:.2f} | {scaling:.2f}x | {r['step_s']:.2f} | "
               f"{r['wall_s']:.0f} |")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        atomic_write_json(args.out, report)
     return 0
 
 

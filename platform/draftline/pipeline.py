@@ -11,13 +11,12 @@ Each stage's output also goes to `<...>/logs/<stage>.log`; the final report is p
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
 from draftline.utils import atomic_write_json, read_json, stable_hash
@@ -196,8 +195,9 @@ def plan(cfg: DraftlineConfig, from_stage: str | None = None, until: str | None 
 
 def relative_data_dir_in_ray_job(cfg: DraftlineConfig) -> str | None:
     """A relative local data_dir inside `ray job submit --working-dir` lands in Ray's temporary copy of the code."""
-    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
-    if not (job_config.get("runtime_env") or {}).get("working_dir"):
+    from draftline.raycluster import ray_job_runtime_env
+
+    if not ray_job_runtime_env().get("working_dir"):
         return None
     if os.path.isabs(os.path.expanduser(cfg.data_dir)):
         return None

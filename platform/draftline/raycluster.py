@@ -8,9 +8,9 @@ on every interface whatever the node address is, so anyone who can reach the mac
 So, unless the user chose a mode, the local cluster runs with RAY_AUTH_MODE=token and a fresh random token that
 lives only in this process's environment (RAY_AUTH_TOKEN, inherited by Ray's processes and by subprocesses such as
 the CLI run from tests). It is never written to ~/.ray/auth_token, so concurrent runs and CI jobs never share or
-overwrite a per-user token file; `draftline serve` saves it (mode 0600) beside its state.json so that `draftline
-promote`/`rollback` from another shell can roll the running app. RAY_AUTH_MODE=disabled before starting turns it off; RAY_AUTH_MODE=token with
-your own RAY_AUTH_TOKEN (or token file) uses yours.
+overwrite a per-user token file; `draftline serve` saves it (mode 0600) beside its state.json so that
+`draftline promote`/`rollback` from another shell can roll the running app. RAY_AUTH_MODE=disabled before starting
+turns it off; RAY_AUTH_MODE=token with your own RAY_AUTH_TOKEN (or token file) uses yours.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import secrets
 from pathlib import Path
 
 from draftline.config import DraftlineConfig
+from draftline.utils import atomic_write_text
 
 
 def local_auth_env() -> dict[str, str]:
@@ -30,19 +31,20 @@ def local_auth_env() -> dict[str, str]:
         chosen["RAY_AUTH_MODE"] = "token"
         if not os.environ.get("RAY_AUTH_TOKEN"):
             chosen["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    return _set_auth_env(chosen)
+
+
+def _set_auth_env(chosen: dict[str, str]) -> dict[str, str]:
+    """Put auth settings in os.environ and make this process's Ray see them; returns `chosen`."""
     os.environ.update(chosen)
     if chosen:
         # Ray reads RAY_AUTH_MODE into its config when it is first imported; re-read it, as Ray does itself when
         # it turns token auth on by default (ray._private.authentication.authentication_token_setup).
-        _refresh_ray_auth_config()
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     return chosen
-
-
-def _refresh_ray_auth_config() -> None:
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def write_local_token(path: Path) -> str | None:
@@ -51,13 +53,7 @@ def write_local_token(path: Path) -> str | None:
     token = os.environ.get("RAY_AUTH_TOKEN")
     if os.environ.get("RAY_AUTH_MODE") != "token" or not token:
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token)
-    os.replace(tmp, path)
-    return str(path)
+    return str(atomic_write_text(path, token, mode=0o600))
 
 
 def adopt_auth(mode: str, token_path: str | None = None) -> None:
@@ -67,9 +63,13 @@ def adopt_auth(mode: str, token_path: str | None = None) -> None:
         chosen["RAY_AUTH_MODE"] = mode
     if mode == "token" and token_path and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
         chosen["RAY_AUTH_TOKEN_PATH"] = token_path
-    os.environ.update(chosen)
-    if chosen:
-        _refresh_ray_auth_config()
+    _set_auth_env(chosen)
+
+
+def ray_job_runtime_env() -> dict:
+    """The runtime env this process was submitted with by `ray job submit` ({} when it is not a Ray job)."""
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    return job_config.get("runtime_env") or {}
 
 
 def code_runtime_env() -> dict:
@@ -80,8 +80,7 @@ def code_runtime_env() -> dict:
     that the driver runs. py_modules puts the driver's own copy first on every worker's path. Skipped when the job
     was submitted with py_modules of its own: Ray refuses to merge the same field from job and driver.
     """
-    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
-    if (job_config.get("runtime_env") or {}).get("py_modules"):
+    if ray_job_runtime_env().get("py_modules"):
         return {}
     return {"py_modules": [os.path.dirname(os.path.abspath(__file__))]}
 

@@ -41,12 +41,16 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> Path:
+    """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file.
+
+    mode: permission bits set before anything is written (e.g. 0o600 for a secret)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -58,8 +62,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> Path:
+    return atomic_write_bytes(path, text.encode(), mode)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:

@@ -236,9 +236,10 @@ def connect_to_serving(cfg: DraftlineConfig) -> bool:
         # retries. A local cluster whose process is alive is there, so failing to reach it is an error, not "idle".
         refused = isinstance(err, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(err)
         if refused or state.get("local_cluster"):
+            alive = f", whose local Ray process {state.get('pid')} is still running" if state.get("local_cluster") else ""
             raise ServingError(
                 f"could not connect to the Ray cluster at {state['ray_address']} that serves this data dir "
-                f"({path}, written by process {state.get('pid')}, still running): "
+                f"({path}{alive}): "
                 f"{str(err).strip().splitlines()[-1][:200]}. With token authentication, run with that cluster's "
                 f"token in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH (a local `draftline serve` saves its token at "
                 f"{state.get('ray_auth_token_path')})"

@@ -15,9 +15,11 @@ turns it off; RAY_AUTH_MODE=token with your own RAY_AUTH_TOKEN (or token file) u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import socket
 from pathlib import Path
 
 from draftline.config import DraftlineConfig
@@ -85,23 +87,66 @@ def code_runtime_env() -> dict:
     return {"py_modules": [os.path.dirname(os.path.abspath(__file__))]}
 
 
+_ray_mode: str | None = None
+
+
+def free_local_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _pinned_local_address():
+    """Make the local cluster's own processes find it, and only it, whatever other Ray runs on the machine.
+
+    Code inside Ray that calls the state API without an address (Ray Train's placement-group cleaner, via
+    `ray.util.state.get_actor`) looks for "the" local cluster: with two on the machine it fails with "Found
+    multiple active Ray instances". RAY_ADDRESS in the environment wins over that search, but the GCS port is
+    only known once the cluster runs; so pick it first (RAY_GCS_SERVER_PORT) and export both while Ray's
+    processes start: they, and every worker the raylet forks, inherit them. The driver's own environment is
+    restored afterwards, so subprocesses of this one (a CLI run by a test) still start clusters of their own.
+    """
+    port = free_local_port()
+    pinned = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    saved = {name: os.environ.get(name) for name in pinned}
+    os.environ.update(pinned)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) -> str:
     """Initialise Ray once per process; returns 'cluster' or 'local'."""
+    global _ray_mode
     import ray
 
     if ray.is_initialized():
-        return "cluster" if os.environ.get("RAY_ADDRESS") else "local"
+        return _ray_mode or ("cluster" if os.environ.get("RAY_ADDRESS") else "local")
     address = (cfg.ray.address if cfg else None) or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=code_runtime_env(), log_to_driver=True)
-        return "cluster"
+        _ray_mode = "cluster"
+        return _ray_mode
     local_auth_env()
     # Workers must import draftline even when it is not pip-installed (e.g. `python jobs/x.py` from a checkout).
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pythonpath = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH", "")) if p)
+    with _pinned_local_address():
+        _init_local(ray, num_cpus or (cfg.ray.num_cpus if cfg else None), pythonpath)
+    _ray_mode = "local"
+    return _ray_mode
+
+
+def _init_local(ray, num_cpus: int | None, pythonpath: str) -> None:
     ray.init(
         address="local",
-        num_cpus=num_cpus or (cfg.ray.num_cpus if cfg else None),
+        num_cpus=num_cpus,
         # The dashboard serves Ray's state API, which Ray Train polls; its HTTP server binds to loopback.
         include_dashboard=True,
         dashboard_host="127.0.0.1",
@@ -111,4 +156,3 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
         log_to_driver=True,
     )
-    return "local"

@@ -54,3 +54,38 @@ def test_auth_choice_respects_what_the_user_set(preset, expected):
     out = subprocess.run([sys.executable, "-c", code], env={**env, **preset}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
+
+
+STATE_API_IN_A_TASK = """
+import sys, time, ray
+from draftline.raycluster import ensure_ray
+ensure_ray(num_cpus=1)
+
+@ray.remote(num_cpus=0)
+def nodes_seen_by_the_state_api():
+    # What Ray Train's placement-group cleaner does: the state API with no address, from inside the cluster.
+    from ray.util.state import list_nodes
+    return sorted(n.node_id for n in list_nodes())
+
+own = ray.get_runtime_context().get_node_id()
+print("SEEN", ray.get(nodes_seen_by_the_state_api.remote()) == [own], flush=True)
+"""
+
+
+def test_local_cluster_state_api_finds_its_own_cluster_beside_another(ray_cluster):
+    """Fault 7: with two local Ray instances on the machine, address-less state API calls inside a cluster failed
+    with "Found multiple active Ray instances". The test session's cluster is one; a subprocess starts a second."""
+    import ray
+
+    other = subprocess.run([sys.executable, "-c", STATE_API_IN_A_TASK], env=dict(os.environ), capture_output=True,
+                           text=True, timeout=300)
+    assert "SEEN True" in other.stdout, other.stderr[-3000:]
+
+    @ray.remote(num_cpus=0)
+    def nodes_seen_here():
+        from ray.util.state import list_nodes
+        return sorted(n.node_id for n in list_nodes())
+
+    own = ray.get_runtime_context().get_node_id()
+    assert ray.get(nodes_seen_here.remote()) == [own]
+    assert "RAY_ADDRESS" not in os.environ, "the pinned address must not leak into the driver's own environment"

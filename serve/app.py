@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from draftline.config import load_config
-from draftline.serving.deployments import build_app
+from draftline.serving.app import build_app
 
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,8 +35,10 @@ def random_drafter(target_dir: Path, draft_vocab_size: int = 256, seed: int = 0)
     return Eagle3Drafter(config).eval()
 
 
-def register_drafter(cfg, drafter, tags: Optional[dict] = None) -> str:
-    """Export `drafter`, log it as a run artifact and register it; returns the version number."""
+def register_drafter(cfg, drafter, tags: Optional[dict] = None, damage: Optional[Callable[[Path], None]] = None) -> str:
+    """Export `drafter`, log it as a run artifact and register it; returns the version number.
+
+    damage: called with the export directory before it is logged (to register a broken version on purpose)."""
     import mlflow
 
     from draftline.drafter.export import export_drafter
@@ -45,6 +47,8 @@ def register_drafter(cfg, drafter, tags: Optional[dict] = None) -> str:
     setup_mlflow(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         export_dir = export_drafter(drafter, Path(tmp) / "drafter", meta={"test": True})
+        if damage is not None:
+            damage(export_dir)
         with mlflow.start_run() as run:
             mlflow.log_artifacts(str(export_dir), artifact_path="drafter")
     return register_version(cfg, run.info.run_id, "drafter", tags=tags)

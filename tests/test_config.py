@@ -80,3 +80,35 @@ def test_dry_run_fails_on_config_error():
         capture_output=True, text=True, cwd=REPO,
     )
     assert out.returncode == 2 and "train.nope" in out.stderr
+
+
+def test_duplicate_yaml_keys_are_refused_with_both_lines(tmp_path):
+    """Fault 11: PyYAML keeps the last of two equal keys silently."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("seed: 1\ntrain:\n  lr: 0.001\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml line 4: duplicate key 'train.lr' \(first at line 3\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("make_bad", [
+    lambda tmp: (tmp / "a-file").write_text("x") and tmp / "a-file",
+    lambda tmp: (tmp / "a-file").write_text("x") and tmp / "a-file" / "below",
+])
+def test_data_dir_that_is_a_file_or_unwritable_fails_before_any_stage(tmp_path, make_bad):
+    """Fault 9: found only after the ~4-minute bootstrap, as a raw traceback. Now: exit 2 in about a second."""
+    data_dir = make_bad(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "draftline.cli", "run", "-c", str(REPO / "configs" / "tiny-cpu.yaml"),
+                          f"data_dir={data_dir}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"data_dir={data_dir}" in out.stderr and "set data_dir to a directory you can write" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_mlflow_params_never_carry_credentials_from_a_uri():
+    """Fault 12: tracking.tracking_uri was logged verbatim as an MLflow param."""
+    from draftline.train.run import flatten
+
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["tracking.tracking_uri=https://alice:s3cret@mlflow.example:5000/x"])
+    params = flatten(cfg.model_dump(mode="json"))
+    assert params["tracking.tracking_uri"] == "https://alice:***@mlflow.example:5000/x"
+    assert not any("s3cret" in value for value in params.values())

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +143,18 @@ def test_export_from_checkpoint_rejects_mismatched_state(tmp_path):
     torch.save(state, ckpt / "drafter_state.pt")
     with pytest.raises(ValueError, match="does not fit"):
         export_from_checkpoint(ckpt, tmp_path / "export")
+
+
+def test_export_files_are_readable_by_other_users_under_a_022_umask(tmp_path):
+    """Fault 10: files came out 0600 (mkstemp's mode), so an engine running as another user could not read them.
+    Run in a fresh process so that the umask the writer reads is the one set here."""
+    code = ("import os, sys; os.umask(0o022); from drafter_helpers import tiny_drafter; "
+            "from draftline.drafter.export import export_drafter; export_drafter(tiny_drafter(), sys.argv[1], meta={})")
+    tests_dir = str(Path(__file__).parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "export")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "export").iterdir()}
+    assert modes and set(modes.values()) == {"0o644"}, modes

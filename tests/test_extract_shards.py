@@ -148,7 +148,7 @@ def test_verify_names_a_truncated_or_corrupt_shard_and_the_fix(target, val_sampl
     path.write_bytes(original[: len(original) // 2])
     with pytest.raises(ShardError, match=rf"{shard_file_name(2)} is truncated.*delete .*rerun `draftline extract`"):
         shards.verify()
-    with pytest.raises(ShardError, match=rf"{shard_file_name(2)} cannot be read"):
+    with pytest.raises(ShardError, match=rf"{shard_file_name(2)} is corrupt .*sha256 differs"):
         HiddenStateShards(storage.location)[11]
 
     flipped = bytearray(original)
@@ -186,3 +186,34 @@ def test_storage_accepts_file_uris(tmp_path):
     assert storage.list_names() == ["a.json"]
     assert json.loads(storage.read_bytes("a.json")) == {"k": 1}
     assert storage.remove_temp_files() == 0
+
+
+def test_reader_refuses_a_shard_overwritten_in_place_at_the_same_size(target, val_samples, tmp_path):
+    """Fault 1: the reader checked only sizes, so 8 KiB of 0xFF written into a shard was trained on (loss nan)."""
+    split_tokens = SplitTokens.from_samples(val_samples)
+    plan = _plan(target)
+    storage = Storage(tmp_path / "val")
+    _write_all(target, split_tokens, storage, plan)
+    shards = _finish(storage, target, split_tokens, plan)
+    path = tmp_path / "val" / shard_file_name(0)
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(size - 8192)
+        handle.write(b"\xff" * 8192)
+    assert path.stat().st_size == size
+    with pytest.raises(ShardError, match=rf"{shard_file_name(0)} is corrupt .*sha256 differs.*delete .*rerun"):
+        HiddenStateShards(storage.location)[0]
+    assert HiddenStateShards(storage.location)[5]["sample_index"] == 5  # the other shards stay readable
+
+
+def test_encoding_the_same_tensors_gives_the_same_bytes(target, val_samples):
+    """Fault 8: safetensors wrote metadata in hash order, so identical tensors got a different sha256 per run."""
+    from draftline.extract.shards import encode_shard
+
+    samples = [{"input_ids": torch.tensor(s["input_ids"]), "loss_mask": torch.tensor(s["loss_mask"]),
+                "aux_hidden": torch.zeros(len(s["input_ids"]), 6), "final_hidden": torch.ones(len(s["input_ids"]), 2)}
+               for s in val_samples[:3]]
+    metadata = {f"key{i}": str(i) for i in range(8)}
+    blobs = {encode_shard(samples, [0, 1, 2], dict(reversed(metadata.items())) if i % 2 else metadata)[0]
+             for i in range(20)}
+    assert len(blobs) == 1

@@ -108,3 +108,25 @@ def test_over_length_truncate_and_fail(tmp_path, tiny_target_dir):
     cfg = make_test_config(tmp_path / "b", [f"data.conversations={path}", "data.max_seq_len=64", "data.over_length=fail"])
     with pytest.raises(DataError, match="conv.jsonl:1: over_length"):
         prepare(cfg, tiny_target_dir)
+
+
+def test_skip_policy_survives_non_utf8_deep_nesting_and_a_bom(tmp_path, tiny_target_dir):
+    """Faults 6 and 11: one non-UTF-8 line aborted prepare with a codec error naming neither file nor line; a line
+    nested 100k deep raised RecursionError; a UTF-8 BOM made line 1 'malformed'."""
+    path = tmp_path / "conv.jsonl"
+    good = json.dumps(GOOD).encode()
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + b'{"messages": "caf\xe9"}\n' + b"[" * 100_000 + b"\n" + good + b"\n")
+    conversations, bad = read_conversations(path)
+    assert [c.line for c in conversations] == [1, 4]
+    assert [(b.line, b.kind) for b in bad] == [(2, "malformed"), (3, "malformed")]
+    assert "not UTF-8" in bad[0].message and "nested too deeply" in bad[1].message
+    cfg = make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.split.val_fraction=0.0",
+                                             "data.split.bench_fraction=0.0", "data.draft_vocab_size=64"])
+    report = read_json(prepare(cfg, tiny_target_dir) / "report.json")
+    assert report["bad_input"]["by_kind"] == {"malformed": 2}
+    assert any(f"{path}:2: malformed: not UTF-8" in item for item in report["bad_input"]["items"])
+
+
+def test_conversations_pointing_at_a_directory_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"data.conversations=.* is a directory; point it at one .jsonl"):
+        read_conversations(tmp_path)

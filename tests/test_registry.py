@@ -135,3 +135,37 @@ def test_remote_source_is_downloaded_into_the_cache(store, tmp_path):
     assert resolved.export_dir.is_relative_to(tmp_path / "data" / "cache" / "models")
     assert load_drafter(resolved.export_dir).config.draft_vocab_size == 256
     assert resolve_alias(cfg).export_dir == resolved.export_dir  # cached
+
+
+def _truncate_weights(export_dir):
+    weights = export_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+
+
+def _overwrite_weights_in_place(export_dir):
+    weights = export_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4096:] = b"\xff" * 4096
+    weights.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, phrase", [(_truncate_weights, "truncated"), (_overwrite_weights_in_place, "corrupt")])
+def test_promote_refuses_a_version_whose_files_do_not_verify_and_moves_nothing(store, tiny_target_dir, damage, phrase,
+                                                                               capsys):
+    """Fault 2: the alias moved to a passed version with a truncated artifact; the next `draftline serve` failed."""
+    from draftline.cli import main
+
+    cfg, versions = store
+    promote(cfg, versions["passed_a"])
+    broken = register_drafter(cfg, random_drafter(tiny_target_dir, seed=5), {GATE_TAG: "passed"}, damage=damage)
+    with pytest.raises(RegistryError, match=rf"version {broken}.*model.safetensors is {phrase}.*register a fresh export"):
+        promote(cfg, broken)
+    common = ["--config", "configs/tiny-cpu.yaml", f"data_dir={cfg.data_dir}",
+              f"tracking.tracking_uri={cfg.tracking.tracking_uri}",
+              f"tracking.artifact_location={cfg.tracking.artifact_location}",
+              f"tracking.registered_model={cfg.tracking.registered_model}"]
+    assert main(["promote", "--version", broken, *common]) == 1
+    assert f"model.safetensors is {phrase}" in capsys.readouterr().err
+    assert alias_version_number(cfg) == versions["passed_a"]
+    assert alias_version_number(cfg, "previous") is None
+    load_drafter(resolve_alias(cfg).export_dir)  # what `draftline serve` loads is still whole

@@ -9,19 +9,19 @@ import yaml
 from pydantic import ValidationError
 
 from draftline.engines.base import SpecStats
+from draftline.serving.app import engine_options
 from draftline.serving.control import app_config
-from draftline.serving.deployments import (
-    ENGINE_DEPLOYMENT,
+from draftline.serving.engine_server import ENGINE_DEPLOYMENT
+from draftline.serving.openai_api import (
     INGRESS_DEPLOYMENT,
     ApiError,
     RequestValidator,
-    ServedModel,
     StopMatcher,
-    engine_options,
     token_hash,
     validation_error,
 )
 from draftline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, Usage
+from draftline.serving.served_model import ServedModel
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from draftline.config import ConfigError, DraftlineConfig, load_config
+from draftline.config import ConfigError, DraftlineConfig, check_data_dir, load_config
 
 # Modules with a `register(subparsers)` function. Imported lazily per command so `--help` stays fast.
 COMMAND_MODULES = {
@@ -17,8 +17,8 @@ COMMAND_MODULES = {
     "export": "draftline.drafter.cli",
     "bench": "draftline.bench.cli",
     "gate": "draftline.gate",
-    "promote": "draftline.registry",
-    "rollback": "draftline.registry",
+    "promote": "draftline.release",
+    "rollback": "draftline.release",
     "serve": "draftline.serving.cli",
     "run": "draftline.pipeline",
     "sglang-command": "draftline.engines.sglang.cli",
@@ -34,7 +34,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> DraftlineConfig:
-    return load_config(args.config, list(args.overrides or []))
+    cfg = load_config(args.config, list(args.overrides or []))
+    check_data_dir(cfg)
+    return cfg
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

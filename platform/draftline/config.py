@@ -196,8 +196,8 @@ class ServeConfig(Strict):
     max_ongoing_requests: int = Field(8, ge=1)
     max_queued_requests: int = Field(16, ge=-1)
     max_tokens_limit: int = Field(256, ge=1)
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413, unread")
     auth_token_env: str = Field("DRAFTLINE_API_TOKEN", description="env var holding a bearer token; unset = no auth")
-    watch_interval_s: float = Field(0, ge=0, description=">0: poll the registry alias and roll on change")
     retry_after_s: float = Field(1, ge=0, description="Retry-After seconds sent with a 503 when replicas are full")
     ingress_cpus_per_replica: float = Field(0.25, gt=0, description="CPUs of the HTTP ingress replica")
     allow_target_only: bool = Field(
@@ -207,7 +207,7 @@ class ServeConfig(Strict):
     max_surge_percent: int = Field(
         100, ge=0, le=100, description="extra engine replicas Serve may start so old ones serve until new ones are up"
     )
-    rollout_timeout_s: float = Field(600, gt=0, description="roll_to_champion waits this long for every replica")
+    rollout_timeout_s: float = Field(600, gt=0, description="a rollout waits this long for every replica")
 
 
 class RayConfig(Strict):
@@ -265,6 +265,11 @@ def _yaml_line_index(text: str) -> dict[tuple[str, ...], int]:
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 path = prefix + (str(key_node.value),)
+                if path in lines:  # PyYAML keeps the last value silently; a typo'd copy-paste must not win unseen
+                    raise ConfigError(
+                        f"line {key_node.start_mark.line + 1}: duplicate key {'.'.join(path)!r} (first at line "
+                        f"{lines[path]}); keep one of them"
+                    )
                 lines[path] = key_node.start_mark.line + 1
                 walk(value_node, path)
         elif isinstance(node, yaml.SequenceNode):
@@ -319,7 +324,7 @@ def _format_errors(err: ValidationError, source: str, lines: dict[tuple[str, ...
                 where = f" (line {lines[probe]})"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling against DESIGN.md / configs/tiny-cpu.yaml"
+            msg = "unknown field; check the spelling against configs/tiny-cpu.yaml, which sets every section"
         out.append(f"  {source}{where}: {field}: {msg}")
     return "\n".join(out)
 
@@ -337,6 +342,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     try:
         tree = yaml.safe_load(text) if text else {}
         lines = _yaml_line_index(text) if text else {}
+    except ConfigError as err:
+        raise ConfigError(f"config {source} {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -354,6 +361,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         return DraftlineConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source, lines, overridden)) from None
+
+
+def check_data_dir(config: DraftlineConfig) -> Path:
+    """Fail in a second, not after a 4-minute bootstrap: data_dir must be (or be creatable as) a writable directory.
+    Creates nothing (a dry run must leave no trace)."""
+    path = config.data_path()
+    fix = "set data_dir to a directory you can write (e.g. data_dir=./.draftline)"
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is below {existing}, which is a file"
+        raise ConfigError(f"data_dir={config.data_dir} ({path}) {what}, not a directory; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"data_dir={config.data_dir} ({path}): {existing} is not writable by this user; {fix}")
+    return path
 
 
 def config_to_yaml(config: DraftlineConfig) -> str:

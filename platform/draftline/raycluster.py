@@ -97,6 +97,19 @@ def free_local_port() -> int:
 
 
 @contextlib.contextmanager
+def _environment_for_ray_processes(hidden: tuple[str, ...]):
+    """Set what Ray's processes must inherit (a pinned address) and hide what they must not (the serving API token,
+    which only the driver needs: replicas get its hash). Ray's processes are forked during ray.init and keep that
+    environment; the driver's own is restored afterwards."""
+    with _pinned_local_address():
+        saved = {name: os.environ.pop(name) for name in hidden if name in os.environ}
+        try:
+            yield
+        finally:
+            os.environ.update(saved)
+
+
+@contextlib.contextmanager
 def _pinned_local_address():
     """Make the local cluster's own processes find it, and only it, whatever other Ray runs on the machine.
 
@@ -137,7 +150,8 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
     # Workers must import draftline even when it is not pip-installed (e.g. `python jobs/x.py` from a checkout).
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pythonpath = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH", "")) if p)
-    with _pinned_local_address():
+    api_token_env = (cfg or DraftlineConfig()).serve.auth_token_env
+    with _environment_for_ray_processes(hidden=(api_token_env,)):
         _init_local(ray, num_cpus or (cfg.ray.num_cpus if cfg else None), pythonpath)
     _ray_mode = "local"
     return _ray_mode

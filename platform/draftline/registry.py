@@ -1,19 +1,19 @@
 """Model registry aliases: resolve `champion`, promote a gated version, roll back to `previous`.
 
 Rules (DESIGN.md, stage 7):
-- `promote(version)` only accepts a version tagged `gate=passed` (written by `draftline gate`); it moves
-  `champion` to it and `previous` to the old champion.
+- `promote(version)` only accepts a version tagged `gate=passed` (written by `draftline gate`) whose files verify
+  (`verify_export`); it moves `champion` to it and `previous` to the old champion.
 - `rollback()` moves `champion` back to `previous` and removes `previous` (a second rollback needs a new promotion,
   so two rollbacks never swap back and forth).
+This module only moves aliases. Rolling a running Serve app first, and moving the alias only once it has rolled,
+is draftline.release (the `promote` / `rollback` commands), which sits above both registry and serving.
 Serving resolves `models:/<name>@champion` through `resolve_alias`, which returns a local export directory
 (downloading the artifacts into `<data_dir>/cache/models/<name>/<version>-<source hash>/` when the source is not local).
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -142,9 +142,43 @@ def latest_version(cfg: DraftlineConfig) -> str:
     return str(max(int(mv.version) for mv in versions))
 
 
-def promote(cfg: DraftlineConfig, version: str | int) -> str:
-    """Point `champion` at a gate-passed version (old champion becomes `previous`); returns what was done."""
-    client = mlflow_client(cfg)
+def verify_export(resolved: ResolvedVersion) -> None:
+    """Check a version's files where they are read: present, parseable, the weights complete and, where the export
+    recorded it, their sha256. Raises RegistryError naming the file and the fix."""
+    import json
+
+    from draftline.drafter.export import META_FILE, WEIGHTS_FILE
+    from draftline.utils import sha256_file
+
+    where = f"model {resolved.name} version {resolved.version} ({resolved.export_dir})"
+    fix = "register a fresh export of that run (`draftline export` then `draftline train` registers it) and gate it"
+    meta: dict = {}
+    for name in ("config.json", META_FILE):
+        path = resolved.export_dir / name
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise RegistryError(f"{where}: {name} is missing or unreadable ({err}); {fix}") from None
+        if name == META_FILE:
+            meta = loaded
+    weights = resolved.export_dir / WEIGHTS_FILE
+    try:
+        size = weights.stat().st_size
+        with open(weights, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_len)) if 0 < header_len < size else None
+    except (OSError, ValueError) as err:
+        raise RegistryError(f"{where}: {WEIGHTS_FILE} is missing or unreadable ({err}); {fix}") from None
+    data_end = max((t["data_offsets"][1] for k, t in (header or {}).items() if k != "__metadata__"), default=-1)
+    if header is None or size != 8 + header_len + data_end:
+        raise RegistryError(f"{where}: {WEIGHTS_FILE} is truncated or garbled ({size} bytes); {fix}")
+    recorded = meta.get("weights_sha256")
+    if recorded and sha256_file(weights) != recorded:
+        raise RegistryError(f"{where}: {WEIGHTS_FILE} is corrupt (sha256 differs from {META_FILE}); {fix}")
+
+
+def promotion_candidate(cfg: DraftlineConfig, version: str | int) -> ResolvedVersion:
+    """The version `promote` would make champion, downloaded and verified; raises PromotionRefused / RegistryError."""
     name = cfg.registered_model_name
     candidate = get_version(cfg, version, download=False)
     gate = candidate.tags.get(GATE_TAG)
@@ -155,6 +189,28 @@ def promote(cfg: DraftlineConfig, version: str | int) -> str:
         raise PromotionRefused(
             f"refusing to promote {name} version {version}: it was never gated; run `draftline gate --version {version}` first"
         )
+    resolved = get_version(cfg, version)
+    verify_export(resolved)
+    return resolved
+
+
+def rollback_candidate(cfg: DraftlineConfig) -> ResolvedVersion:
+    """The version `rollback` would make champion (the `previous` alias), downloaded and verified."""
+    name = cfg.registered_model_name
+    if _alias_version(mlflow_client(cfg), name, PREVIOUS) is None:
+        raise RegistryError(f"cannot roll back {name}: there is no '{PREVIOUS}' alias (nothing was promoted over a champion)")
+    resolved = resolve_alias(cfg, PREVIOUS)
+    verify_export(resolved)
+    return resolved
+
+
+def promote(cfg: DraftlineConfig, version: str | int) -> str:
+    """Point `champion` at a gate-passed version whose files verify (old champion becomes `previous`).
+
+    Only the aliases: rolling a running Serve app first is draftline.release's job. Returns what was done."""
+    client = mlflow_client(cfg)
+    name = cfg.registered_model_name
+    candidate = promotion_candidate(cfg, version)
     old = _alias_version(client, name, CHAMPION)
     if old is not None and str(old.version) == candidate.version:
         return f"{name} version {candidate.version} is already the champion; nothing changed"
@@ -169,67 +225,21 @@ def rollback(cfg: DraftlineConfig) -> str:
     """Point `champion` back at `previous` and drop `previous`; returns what was done."""
     client = mlflow_client(cfg)
     name = cfg.registered_model_name
-    previous = _alias_version(client, name, PREVIOUS)
-    if previous is None:
-        raise RegistryError(f"cannot roll back {name}: there is no '{PREVIOUS}' alias (nothing was promoted over a champion)")
+    previous = rollback_candidate(cfg)
     current = _alias_version(client, name, CHAMPION)
-    client.set_registered_model_alias(name, CHAMPION, str(previous.version))
+    client.set_registered_model_alias(name, CHAMPION, previous.version)
     client.delete_registered_model_alias(name, PREVIOUS)
     was = f"from version {current.version} " if current is not None else ""
     return f"rolled back {name} '{CHAMPION}' {was}to version {previous.version}; alias '{PREVIOUS}' removed"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from draftline.cli import add_config_args
-
-    promote_parser = subparsers.add_parser(
-        "promote", help="make a gate-passed drafter version the champion", description=promote.__doc__
-    )
-    promote_parser.add_argument("--version", required=True, help="registered model version to promote")
-    add_config_args(promote_parser)
-    promote_parser.set_defaults(func=_promote_command)
-
-    rollback_parser = subparsers.add_parser(
-        "rollback", help="restore the previous champion", description=rollback.__doc__
-    )
-    add_config_args(rollback_parser)
-    rollback_parser.set_defaults(func=_rollback_command)
-
-
-def _run(action, *args) -> int:
-    try:
-        print(action(*args))
-    except RegistryError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _roll_serving(cfg: DraftlineConfig) -> int:
-    """If `draftline serve` runs for this data dir, roll it to the new champion (docs/serving.md)."""
-    from draftline.serving.control import ServingError, roll_if_serving
-
-    try:
-        message = roll_if_serving(cfg)
-    except ServingError as err:
-        print(f"error: the registry changed but serving did not follow: {err}", file=sys.stderr)
-        return 1
-    if message:
-        print(message)
-    return 0
-
-
-def _promote_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-
-    cfg = config_from_args(args)
-    status = _run(promote, cfg, args.version)
-    return status if status else _roll_serving(cfg)
-
-
-def _rollback_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-
-    cfg = config_from_args(args)
-    status = _run(rollback, cfg)
-    return status if status else _roll_serving(cfg)
+def restore_aliases(cfg: DraftlineConfig, champion: Optional[str], previous: Optional[str]) -> None:
+    """Put `champion` and `previous` back as they were (None: absent); undoes a promotion or rollback."""
+    client = mlflow_client(cfg)
+    name = cfg.registered_model_name
+    for alias, version in ((CHAMPION, champion), (PREVIOUS, previous)):
+        if version is None:
+            if _alias_version(client, name, alias) is not None:
+                client.delete_registered_model_alias(name, alias)
+        else:
+            client.set_registered_model_alias(name, alias, version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ def split_of(key: str, val_fraction: float, bench_fraction: float) -> str:
     return "train"
 
 
+def redact_uri_credentials(text: str) -> str:
+    """`https://user:secret@host/x` -> `https://user:***@host/x`: configs are logged to MLflow, credentials must not be."""
+    return re.sub(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]*):[^@/\s]*@", r"\1:***@", text)
+
+
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -41,16 +47,27 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def _process_umask() -> int:
+    # os.umask can only be read by setting it; done once, at import, before any thread writes files.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _process_umask()
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> Path:
     """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file.
 
-    mode: permission bits set before anything is written (e.g. 0o600 for a secret)."""
+    mode: permission bits set before anything is written (e.g. 0o600 for a secret). By default the file gets what
+    open() would give it (0o666 less the umask), not mkstemp's 0o600: an engine running as another user on shared
+    storage must be able to read an export."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        if mode is not None:
-            os.fchmod(fd, mode)
+        os.fchmod(fd, mode if mode is not None else 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

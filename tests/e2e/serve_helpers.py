@@ -31,9 +31,6 @@ def start_serving(cfg) -> str:
 def stop_serving() -> None:
     from ray import serve
 
-    from draftline.serving.control import stop_watcher
-
-    stop_watcher()
     serve.shutdown()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -65,12 +66,28 @@ def test_two_workers_extract_train_and_val_then_rerun_resumes(ray_cluster, tiny_
     assert all(r.cached for r in again.splits.values())
     assert {split: _mtimes(root / split) for split in ("train", "val")} == before
 
-    # Deleting one shard (what verify() tells the user to do) redoes only that shard.
+    # Deleting one shard (what verify() tells the user to do) redoes only that shard, with the same sha256
+    # (fault 8: safetensors metadata order made a bit-identical shard look new, and everything downstream rerun).
+    manifest_before = (root / "train" / "manifest.json").read_text()
     (root / "train" / shard_file_name(1)).unlink()
     redo = extract_with_stats(cfg, tiny_dataset_dir, split="train")
     assert redo.splits["train"].manifest["last_run"]["shards_written"] == 1
     after = _mtimes(root / "train")
     changed = [name for name in after if after[name] != before["train"][name]]
     assert changed == [shard_file_name(1)]
+    assert [s["sha256"] for s in redo.splits["train"].manifest["shards"]] == [
+        s["sha256"] for s in json.loads(manifest_before)["shards"]
+    ]
+    HiddenStateShards(root / "train").verify()
+
+    # Fault 1: a shard overwritten in place at the same size is not "cached": the rerun redoes exactly that shard.
+    victim = root / "train" / shard_file_name(2)
+    with open(victim, "r+b") as handle:
+        handle.seek(victim.stat().st_size // 2)
+        handle.write(b"\xff" * 8192)
+    fixed = extract_with_stats(cfg, tiny_dataset_dir, split="train")
+    assert not fixed.splits["train"].cached
+    assert fixed.splits["train"].manifest["last_run"]["shards_written"] == 1
+    assert (root / "train" / "manifest.json").read_text().count('"sha256"') == len(shards_of(root / "train"))
     HiddenStateShards(root / "train").verify()
     shutil.rmtree(root)

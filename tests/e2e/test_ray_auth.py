@@ -67,8 +67,14 @@ def nodes_seen_by_the_state_api():
     from ray.util.state import list_nodes
     return sorted(n.node_id for n in list_nodes())
 
+@ray.remote(num_cpus=0)
+def api_token_in_worker():
+    import os
+    return os.environ.get("DRAFTLINE_API_TOKEN")
+
 own = ray.get_runtime_context().get_node_id()
 print("SEEN", ray.get(nodes_seen_by_the_state_api.remote()) == [own], flush=True)
+print("WORKER TOKEN", ray.get(api_token_in_worker.remote()), flush=True)
 """
 
 
@@ -77,9 +83,11 @@ def test_local_cluster_state_api_finds_its_own_cluster_beside_another(ray_cluste
     with "Found multiple active Ray instances". The test session's cluster is one; a subprocess starts a second."""
     import ray
 
-    other = subprocess.run([sys.executable, "-c", STATE_API_IN_A_TASK], env=dict(os.environ), capture_output=True,
-                           text=True, timeout=300)
+    other = subprocess.run([sys.executable, "-c", STATE_API_IN_A_TASK], env={**os.environ, "DRAFTLINE_API_TOKEN": "s3cret"},
+                           capture_output=True, text=True, timeout=300)
     assert "SEEN True" in other.stdout, other.stderr[-3000:]
+    # Fault 12: the raw serving API token was in every Ray worker's environment.
+    assert "WORKER TOKEN None" in other.stdout, other.stdout[-2000:]
 
     @ray.remote(num_cpus=0)
     def nodes_seen_here():

@@ -145,6 +145,7 @@ def _assert_openai_error(response: httpx.Response, status: int, param=None, code
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"], "every error carries a code clients can branch on"
     if param is not None:
         assert error["param"] == param
     if code is not None:
@@ -169,6 +170,51 @@ def test_bad_input_is_a_400_with_a_clear_message(served, auth):
     _assert_openai_error(too_long, 400, param="messages", code="context_length_exceeded")
     wrong_type = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "temperature": "hot"}, headers=auth)
     _assert_openai_error(wrong_type, 400, param="temperature")
+
+
+def test_hostile_input_gets_an_openai_error_and_never_stalls_the_server(served, auth):
+    """Faults 3, 4, 11: a 10 MB body was tokenized on the event loop (16.5 s, /healthz 8.2 s meanwhile); seed >= 2^64
+    returned a 500 with a Ray traceback; a lone surrogate or 50k-deep nesting gave plain-text 500s; `true` was read
+    as 1 and "10" as 10; some 400s had code null."""
+    cfg, url, _ = served
+    chat = f"{url}/v1/chat/completions"
+    message = [{"role": "user", "content": "hi"}]
+    json_headers = {**auth, "content-type": "application/json"}
+
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * 10_000_000}], "max_tokens": 2}).encode()
+    health_s: list[float] = []
+
+    async def huge_request_and_healthz():
+        async with httpx.AsyncClient(timeout=120) as http:
+            big = asyncio.create_task(http.post(chat, content=huge, headers=json_headers))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            health = await http.get(f"{url}/healthz")
+            health_s.append(time.monotonic() - started)
+            return await big, health
+
+    started = time.monotonic()
+    big, health = asyncio.run(huge_request_and_healthz())
+    big_s = time.monotonic() - started
+    print(f"10 MB body answered in {big_s:.2f} s, /healthz meanwhile in {health_s[0]:.2f} s")
+    assert str(cfg.serve.max_request_bytes) in _assert_openai_error(big, 413, code="request_too_large")["message"]
+    assert health.status_code == 200
+
+    cases = {
+        "seed 2^64": ({"messages": message, "seed": 2**64}, "seed"),
+        "max_tokens true": ({"messages": message, "max_tokens": True}, "max_tokens"),
+        "max_tokens '10'": ({"messages": message, "max_tokens": "10"}, "max_tokens"),
+    }
+    for name, (body, param) in cases.items():
+        response = httpx.post(chat, json=body, headers=auth, timeout=60)
+        error = _assert_openai_error(response, 400, param=param, code="invalid_value")
+        assert "Traceback" not in error["message"] and "ray" not in error["message"].lower(), name
+    bools = httpx.post(f"{url}/v1/completions", json={"prompt": [True, False], "max_tokens": 2}, headers=auth)
+    _assert_openai_error(bools, 400, code="invalid_value")
+    surrogate = httpx.post(chat, content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}', headers=json_headers)
+    assert "surrogate" in _assert_openai_error(surrogate, 400, param="messages", code="invalid_value")["message"]
+    deep = httpx.post(chat, content=b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", headers=json_headers)
+    _assert_openai_error(deep, 400, code="invalid_json")
 
 
 def test_requests_without_the_token_get_401(served):

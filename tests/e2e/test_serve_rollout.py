@@ -7,6 +7,7 @@ and promoted with the registry; Serve runs on 127.0.0.1 in the session's local R
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 import subprocess
@@ -69,8 +70,8 @@ async def _load(url: str, stop: threading.Event) -> list[tuple[float, float, obj
 
 
 def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_factory):
-    from draftline.registry import promote
-    from draftline.serving.control import roll_to_champion
+    from draftline.registry import alias_version_number
+    from draftline.release import promote_and_roll
 
     extra, old, new = registry
     cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}"])
@@ -81,9 +82,8 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
         load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop))))
         load.start()
         time.sleep(5)  # old version under load first
-        promote(cfg, new)
         roll_started = time.monotonic()
-        served = roll_to_champion(cfg)
+        message = promote_and_roll(cfg, new)
         rolled_at = time.monotonic()
         time.sleep(5)  # new version under load
         stop.set()
@@ -97,13 +97,14 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     late = Counter(outcome for started, _, outcome in results if started > rolled_at)
     print(
         f"rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
-        f"versions {dict(versions)}, roll_to_champion took {rolled_at - roll_started:.1f} s, "
+        f"versions {dict(versions)}, promote_and_roll took {rolled_at - roll_started:.1f} s, "
         f"requests started after the roll: {dict(late)}"
     )
-    assert served.model_version == new
+    assert f"now serves {cfg.registered_model_name} version {new}" in message
+    assert alias_version_number(cfg) == new
     assert failures == []
     assert set(versions) == {old, new} and versions[old] > 0 and versions[new] > 0
-    assert late and set(late) == {new}, "a request started after roll_to_champion returned was answered by the old version"
+    assert late and set(late) == {new}, "a request started after the promotion returned was answered by the old version"
 
 
 # Connects the way `draftline promote`/`rollback` do, without touching the registry; exit 3 on a ServingError.
@@ -155,22 +156,42 @@ def test_rollback_command_rolls_running_serving(registry, tmp_path_factory):
         stop_serving()
 
 
-def test_watcher_follows_the_champion_alias(registry, tmp_path_factory):
-    from draftline.registry import promote
+def _config_that_does_not_fit_its_weights(export_dir: Path) -> None:
+    config = json.loads((export_dir / "config.json").read_text())
+    config["intermediate_size"] += 32
+    (export_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_failed_roll_leaves_registry_and_serving_as_they_were(registry, tiny_target_dir, tmp_path_factory):
+    """Transactional promotion: a version whose files verify but whose engine cannot start (its config does not fit
+    its weights) fails on the replicas; the alias stays, every replica goes on serving the old version, 0 requests fail."""
+    from draftline.registry import alias_version_number, promote
+    from draftline.release import ReleaseError, promote_and_roll
 
     extra, old, new = registry
-    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}", "serve.watch_interval_s=1"])
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}"])
+    broken = register_drafter(cfg, random_drafter(tiny_target_dir, seed=3), {GATE_TAG: "passed"},
+                              damage=_config_that_does_not_fit_its_weights)
     promote(cfg, old)
+    champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
     url = start_serving(cfg)
     try:
-        assert httpx.get(f"{url}/healthz").json()["served"]["model_version"] == old
-        promote(cfg, new)
-        started = time.monotonic()
-        version = old
-        while time.monotonic() - started < 60 and version != new:
-            time.sleep(0.5)
-            version = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"]
-        print(f"watcher rolled to version {version} {time.monotonic() - started:.1f} s after the promotion")
-        assert version == new
+        stop = threading.Event()
+        results: list = []
+        load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop))))
+        load.start()
+        time.sleep(3)
+        with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {old}.*registry is unchanged"):
+            promote_and_roll(cfg, broken)
+        time.sleep(3)
+        stop.set()
+        load.join(timeout=MAX_LOAD_S + 60)
+        assert (alias_version_number(cfg), alias_version_number(cfg, "previous")) == (champion, previous)
+        health = httpx.get(f"{url}/healthz", timeout=30).json()
+        assert health["served"]["model_version"] == old and health["last_error"] is None
     finally:
         stop_serving()
+    failures = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
+    versions = Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
+    print(f"failed roll to {broken}: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}")
+    assert failures == [] and set(versions) == {old}

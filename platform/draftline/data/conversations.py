@@ -15,6 +15,16 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "chatgpt": "assistant"}
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass
+class BadRecord:
+    """A line that could not be read as a JSON value, and why."""
+
+    reason: str
+
+
 @dataclass
 class BadInput:
     file: str
@@ -56,14 +66,25 @@ def _records(path: Path) -> Iterator[tuple[int, object]]:
         for i, record in enumerate(pq.read_table(path).to_pylist()):
             yield i + 1, record
         return
-    with open(path, encoding="utf-8") as handle:
-        for line_no, raw in enumerate(handle, start=1):
-            if not raw.strip():
+    # Bytes, decoded per line: one line that is not UTF-8 is one bad input, not a codec error for the whole file.
+    with open(path, "rb") as handle:
+        for line_no, raw_bytes in enumerate(handle, start=1):
+            if line_no == 1 and raw_bytes.startswith(UTF8_BOM):
+                raw_bytes = raw_bytes[len(UTF8_BOM):]  # editors on Windows start files with a BOM
+            if not raw_bytes.strip():
+                continue
+            try:
+                raw = raw_bytes.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield line_no, BadRecord(f"not UTF-8 (byte {err.start + 1}: {raw_bytes[err.start:err.start + 1]!r}); "
+                                         "re-encode the file as UTF-8")
                 continue
             try:
                 yield line_no, json.loads(raw)
             except json.JSONDecodeError as err:
-                yield line_no, err
+                yield line_no, BadRecord(f"not valid JSON ({err.msg} at column {err.colno})")
+            except RecursionError:
+                yield line_no, BadRecord("nested too deeply to parse; a conversation is a list of turns, not a deep tree")
 
 
 def _normalize(record: dict, fmt: str, where: tuple[str, int]) -> list[dict[str, str]] | BadInput:
@@ -99,13 +120,15 @@ def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegp
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"conversations file {path} does not exist (data.conversations)")
+    if path.is_dir():
+        raise ValueError(f"data.conversations={path} is a directory; point it at one .jsonl or .parquet file inside it")
     if path.suffix not in {".jsonl", ".json", ".parquet"}:
         raise ValueError(f"conversations file {path}: expected .jsonl or .parquet (data.conversations)")
     good: list[Conversation] = []
     bad: list[BadInput] = []
     for line, record in _records(path):
-        if isinstance(record, json.JSONDecodeError):
-            bad.append(BadInput(str(path), line, "malformed", f"not valid JSON ({record.msg} at column {record.colno})"))
+        if isinstance(record, BadRecord):
+            bad.append(BadInput(str(path), line, "malformed", record.reason))
             continue
         if not isinstance(record, dict):
             bad.append(BadInput(str(path), line, "malformed", f"expected a JSON object per line, got {type(record).__name__}"))

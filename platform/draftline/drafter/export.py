@@ -16,6 +16,7 @@ Checked by reading sglang/srt/models/llama_eagle3.py and llama.py of SGLang 0.5.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -127,7 +128,8 @@ def export_drafter(
     if got != expected:
         raise ValueError(f"drafter state does not match SGLang's checkpoint layout: got {got}, expected {expected}")
 
-    atomic_write_bytes(out / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
+    weights = save(tensors, metadata={"format": "pt"})
+    atomic_write_bytes(out / WEIGHTS_FILE, weights)
     atomic_write_json(out / "config.json", hf_config(cfg, dtype))
     export_meta = {
         **(meta or {}),
@@ -135,6 +137,8 @@ def export_drafter(
         "aux_layer_ids": list(cfg.aux_layer_ids),
         "drafter_config": cfg.to_dict(),
         "dtype": dtype,
+        # Checked by the registry before a version is promoted or served (registry.verify_export).
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "sglang_versions_checked": list(SGLANG_VERSIONS_CHECKED),
         "sglang_versions_supported": sglang_versions_supported(cfg),
         "exported_at_unix_s": int(time.time()),

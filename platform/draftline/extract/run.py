@@ -142,7 +142,7 @@ def _fault_injection_from_env() -> dict | None:
 
 
 def _records_if_all_present(storage: Storage, total_shards: int) -> list[ShardRecord] | None:
-    """Cheap completeness check (records + sizes, no hashing): used for the cached fast path and the manifest."""
+    """Cheap completeness check (records + sizes) after the workers, which checksummed every shard they kept or wrote."""
     records = []
     for shard_index in range(total_shards):
         record = read_shard_record(storage, shard_index)
@@ -159,8 +159,10 @@ def _manifest_matches_files(storage: Storage) -> dict | None:
         manifest = json.loads(storage.read_bytes(MANIFEST_NAME))
     except ValueError:  # unreadable: treat as absent, the split is checked shard by shard and the manifest rewritten
         return None
+    # Hashed, not only sized: a shard overwritten in place keeps its size. A mismatch sends the split back to the
+    # workers, which redo exactly the shards whose checksum fails (complete_shard_record).
     for shard in manifest["shards"]:
-        if storage.size_bytes(shard["file"]) != shard["bytes"]:
+        if storage.size_bytes(shard["file"]) != shard["bytes"] or storage.sha256(shard["file"]) != shard["sha256"]:
             return None
     return manifest
 

@@ -101,7 +101,10 @@ def encode_shard(
         "offsets": offsets,
         "sample_index": torch.tensor(list(sample_indices), dtype=torch.int64),
     }
-    return save_safetensors(tensors, metadata=metadata), int(offsets[-1])
+    # One metadata key holding sorted JSON: safetensors writes a metadata dict in hash order, which changes from run
+    # to run, so bit-identical tensors would get another sha256 and look like new data to every cache above.
+    header = {"draftline": json.dumps(metadata, sort_keys=True)}
+    return save_safetensors(tensors, metadata=header), int(offsets[-1])
 
 
 def write_shard(storage: Storage, shard: EncodedShard) -> ShardRecord:
@@ -278,11 +281,20 @@ class HiddenStateShards:
     def _load_shard(self, position: int) -> dict[str, torch.Tensor]:
         if self._cached_shard is not None and self._cached_shard[0] == position:
             return self._cached_shard[1]
-        name = self.manifest["shards"][position]["file"]
+        shard = self.manifest["shards"][position]
+        name = shard["file"]
         try:
-            tensors = load_safetensors(self.storage.read_bytes(name))
+            blob = self.storage.read_bytes(name)
         except FileNotFoundError:
             raise ShardError(f"shard {self.storage.uri(name)} is missing; {redo_hint(self.location, name)}") from None
+        # Checked on every read, not only when written: a shard changed in place (same size) must never be trained on.
+        if sha256_bytes(blob) != shard["sha256"]:
+            raise ShardError(
+                f"shard {self.storage.uri(name)} is corrupt ({len(blob)} bytes, sha256 differs from {MANIFEST_NAME}); "
+                f"{redo_hint(self.location, name)}"
+            )
+        try:
+            tensors = load_safetensors(blob)
         except Exception as err:  # safetensors raises its own error types for truncated/garbled headers
             raise ShardError(
                 f"shard {self.storage.uri(name)} cannot be read ({err}); {redo_hint(self.location, name)}"

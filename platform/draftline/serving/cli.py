@@ -9,12 +9,13 @@ import sys
 def _serve_command(args: argparse.Namespace) -> int:
     from draftline.cli import config_from_args
     from draftline.registry import RegistryError
-    from draftline.serving.control import ServingError, roll_if_serving, serve_champion
+    from draftline.release import sync_serving_to_champion
+    from draftline.serving.control import ServingError, serve_champion
 
     cfg = config_from_args(args)
     try:
         if args.roll:
-            message = roll_if_serving(cfg)
+            message = sync_serving_to_champion(cfg)
             if message is None:
                 print(f"error: nothing is serving for data dir {cfg.data_dir}; start it with `draftline serve`",
                       file=sys.stderr)

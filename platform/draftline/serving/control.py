@@ -1,15 +1,15 @@
-"""Starting Serve, rolling it to a new champion, and watching the registry.
+"""Starting Serve, finding what it serves, and rolling it to a given version.
 
 - `serve_champion(cfg)`: start Serve on serve.host/port and deploy the app *declaratively* (the path of
-  `serve deploy`): import path `draftline.serving.deployments:app_builder`, args = the resolved config, and the
+  `serve deploy`): import path `draftline.serving.app:app_builder`, args = the resolved config, and the
   engine deployment's `user_config` = the champion. Writes `<data_dir>/serve/state.json` so other processes
   (`draftline promote`, `draftline serve --roll`) can find the cluster.
-- `roll_to_champion(cfg)`: resolve the champion and re-apply the deployed app config with only the engine's
-  user_config changed. Serve sees a user_config-only change and reconfigures the replicas in place (rolling,
-  a fraction at a time); each replica swaps engines only once the new one is healthy (see deployments.py).
-  An app deployed imperatively (`serve run serve.app:app`) has no stored config: it is redeployed with
-  `serve.run`, which replaces replicas; `max_surge_percent` keeps the old ones serving until the new are up.
-- A watcher actor (serve.watch_interval_s > 0) polls the alias and rolls when it changes.
+- `serving_now(cfg)`: the version a running app serves (None when nothing serves for this data dir).
+- `roll_to(cfg, served)`: re-apply the deployed app config with only the engine's user_config changed. Serve sees
+  a user_config-only change and reconfigures the replicas in place; how a replica swaps engines is the rollout
+  strategy (serve.rollout, see engine_server.py). An app deployed imperatively (`serve run serve.app:app`) has no
+  stored config: it is redeployed with `serve.run`, which replaces replicas.
+The registry never calls this module: draftline.release rolls serving first and moves the alias after.
 """
 
 from __future__ import annotations
@@ -22,21 +22,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from draftline.config import DraftlineConfig
-from draftline.serving.deployments import (
-    APP_NAME,
-    ENGINE_DEPLOYMENT,
-    ServedModel,
-    auth_token_sha256_from_env,
-    build_app,
-    resolve_served_model,
-)
+from draftline.serving.app import APP_NAME, auth_token_sha256_from_env, build_app
+from draftline.serving.engine_server import ENGINE_DEPLOYMENT
+from draftline.serving.served_model import ServedModel, resolve_served_model
 from draftline.utils import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
-APP_BUILDER_IMPORT_PATH = "draftline.serving.deployments:app_builder"
-WATCHER_NAME = "draftline-champion-watcher"
-WATCHER_NAMESPACE = "draftline"
+APP_BUILDER_IMPORT_PATH = "draftline.serving.app:app_builder"
 
 
 class ServingError(RuntimeError):
@@ -173,8 +166,6 @@ def serve_champion(cfg: DraftlineConfig, blocking: bool = False) -> str:
     _apply(app_config(cfg, served))
     wait_until_serving(cfg, served)
     _write_state(cfg, ray_mode)
-    if cfg.serve.watch_interval_s > 0:
-        start_watcher(cfg, served.model_version)
     url = base_url(cfg)
     logger.info("serving %s version %s at %s/v1", served.registered_model, served.model_version, url)
     if blocking:
@@ -183,11 +174,10 @@ def serve_champion(cfg: DraftlineConfig, blocking: bool = False) -> str:
     return url
 
 
-def roll_to_champion(cfg: DraftlineConfig, wait: bool = True) -> ServedModel:
-    """Roll the running app to the registry's current champion through Serve's rolling update."""
+def roll_to(cfg: DraftlineConfig, served: ServedModel, wait: bool = True) -> ServedModel:
+    """Roll the running app to `served` through Serve's in-place reconfigure; raises ServingError if it did not."""
     from ray import serve
 
-    served = resolve_served_model(cfg)
     app = _deployed_app()
     if app is None:
         raise ServingError(f"no Serve app named {APP_NAME} is running on this Ray cluster; start it with `draftline serve`")
@@ -249,72 +239,26 @@ def connect_to_serving(cfg: DraftlineConfig) -> bool:
     return True
 
 
-def roll_if_serving(cfg: DraftlineConfig) -> Optional[str]:
-    """For `draftline promote` / `rollback`: roll a running Serve app to the new champion; None if nothing serves."""
+def serving_now(cfg: DraftlineConfig) -> Optional[ServedModel]:
+    """What the running app for this data dir serves (its engine's user_config); None if nothing serves."""
     if not connect_to_serving(cfg):
         return None
     try:
-        if _deployed_app() is None:
-            return None
+        app = _deployed_app()
     except Exception as err:  # noqa: BLE001 - no Serve controller on that cluster
         logger.info("no Serve controller reachable: %s", err)
         return None
-    served = roll_to_champion(cfg)
-    return f"Serve app {APP_NAME} now serves {served.registered_model} version {served.model_version}"
+    if app is None:
+        return None
+    deployments = (app.get("deployed_app_config") or {}).get("deployments", [])
+    engine = next((d for d in deployments if d.get("name") == ENGINE_DEPLOYMENT), None)
+    if engine and engine.get("user_config"):
+        return ServedModel.model_validate(engine["user_config"])
+    from ray import serve
 
-
-def _watcher_class():
-    import ray
-
-    @ray.remote(num_cpus=0, max_concurrency=2)
-    class ChampionWatcher:
-        """Polls `models:/<name>@champion` every serve.watch_interval_s and rolls Serve when it moves."""
-
-        def __init__(self, config: dict, serving_version: str) -> None:
-            self._cfg = DraftlineConfig.model_validate(config)
-            self._serving_version = serving_version
-            self._stopped = False
-            self._running = False
-
-        def run(self) -> None:
-            from draftline.registry import alias_version_number
-
-            if self._running:  # a second serve_champion found this actor already watching
-                return
-            self._running = True
-            while not self._stopped:
-                time.sleep(self._cfg.serve.watch_interval_s)
-                try:
-                    champion = alias_version_number(self._cfg)
-                    if champion is not None and champion != self._serving_version:
-                        self._serving_version = roll_to_champion(self._cfg).model_version
-                except Exception:  # noqa: BLE001 - keep watching; the next poll retries
-                    logger.exception("champion watcher: rollout failed; retrying in %s s", self._cfg.serve.watch_interval_s)
-
-        def stop(self) -> None:
-            self._stopped = True
-
-    return ChampionWatcher
-
-
-def start_watcher(cfg: DraftlineConfig, serving_version: str) -> Any:
-    """Start (or find) the detached watcher actor; it lives as long as the Ray cluster."""
-    watcher = _watcher_class().options(
-        name=WATCHER_NAME, namespace=WATCHER_NAMESPACE, lifetime="detached", get_if_exists=True
-    ).remote(cfg.model_dump(mode="json"), serving_version)
-    watcher.run.remote()
-    return watcher
-
-
-def stop_watcher() -> None:
-    import ray
-
-    try:
-        watcher = ray.get_actor(WATCHER_NAME, namespace=WATCHER_NAMESPACE)
-    except ValueError:
-        return
-    ray.get(watcher.stop.remote())
-    ray.kill(watcher)
+    # Deployed imperatively: ask a replica.
+    state = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME).served.remote().result(timeout_s=30)
+    return ServedModel.model_validate(state["user_config"])
 
 
 def smoke_chat_completion(cfg: DraftlineConfig, url: str, prompt: str = "What does `def join(a, *p)` in posixpath do?") -> dict:

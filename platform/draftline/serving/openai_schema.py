@@ -19,7 +19,8 @@ from draftline.engines.base import SpecStats
 
 
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON true is not the integer 1, "10" is not 10, and [true, false] are not token ids.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ChatMessage(StrictRequest):
@@ -40,7 +41,8 @@ class _SamplingFields(StrictRequest):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: Literal[1] = Field(1, description="only one choice per request")
-    seed: Optional[int] = None
+    # What torch.Generator.manual_seed accepts (int64 .. uint64).
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: Optional[Union[str, list[str]]] = Field(None, description="up to 4 stop strings")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

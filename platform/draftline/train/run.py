@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from draftline.config import ConfigError, DraftlineConfig, write_resolved
-from draftline.utils import atomic_write_json, read_json, stable_hash
+from draftline.utils import atomic_write_json, read_json, redact_uri_credentials, stable_hash
 
 RESULT_FILE = "train_result.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
@@ -72,7 +72,7 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict):
             flat.update(flatten(value, f"{name}."))
         else:
-            flat[name] = str(value)
+            flat[name] = redact_uri_credentials(str(value))
     return flat
 
 

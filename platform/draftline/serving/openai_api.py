@@ -1,16 +1,4 @@
-"""The Ray Serve deployments: one engine per replica, and an OpenAI-compatible FastAPI ingress in front.
-
-Model versions and rollout
-- The engine deployment learns which drafter to serve from its Serve `user_config`
-  ({"registered_model", "model_version", "export_dir"}; see `ServedModel`), resolved from the registry alias
-  `models:/<name>@champion` when the app is built (`resolve_served_model`).
-- A new user_config reaches every replica through Serve's rolling update (`reconfigure`, a fraction of the
-  replicas at a time). Inside a replica the new engine is started and health-checked *beside* the old one; the
-  replica swaps only when the new engine is healthy. Requests already running finish on the engine they started
-  on; the old engine stops once it is idle (or after serve.drain_timeout_s). So every response comes whole from
-  one version and no request fails during a rollout. If the new engine cannot start, the replica keeps serving
-  the old version and reports the error (`served()`), which `roll_to_champion` turns into a failure.
-- Changes that restart replicas (resources, code) use `max_surge_percent`: new replicas start before old ones stop.
+"""The OpenAI-compatible HTTP ingress: auth, validation, tokenization, streaming, errors in OpenAI's shape.
 
 Overload: the engine deployment's `max_ongoing_requests` bounds work per replica and `max_queued_requests` the
 queue in front of it; beyond that the ingress answers 503 with Retry-After instead of queueing without bound.
@@ -23,22 +11,19 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
-from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from draftline.config import DraftlineConfig
 from draftline.engines.base import SamplingParams, SpecStats
-from draftline.serving.metrics import EngineMetrics, IngressMetrics
+from draftline.serving.metrics import IngressMetrics
 from draftline.serving.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -62,178 +47,10 @@ from draftline.serving.openai_schema import (
 
 logger = logging.getLogger("ray.serve")
 
-APP_NAME = "draftline"
-ENGINE_DEPLOYMENT = "DraftlineEngine"
 INGRESS_DEPLOYMENT = "DraftlineIngress"
-TARGET_ONLY = "target-only"
 MAX_STOP_STRINGS = 4
-
-
-class ServedModel(BaseModel):
-    """The engine deployment's user_config: which registry version to serve (export_dir None = target only)."""
-
-    registered_model: str
-    model_version: str
-    export_dir: Optional[str] = None
-
-
-def resolve_served_model(cfg: DraftlineConfig) -> ServedModel:
-    """The champion from the registry, or the target alone when there is none and serve.allow_target_only."""
-    from draftline.registry import CHAMPION, RegistryError, resolve_alias
-
-    try:
-        resolved = resolve_alias(cfg, CHAMPION)
-    except RegistryError as err:
-        if not cfg.serve.allow_target_only:
-            raise RegistryError(f"{err} (serve.allow_target_only is false, so there is nothing to serve)") from None
-        logger.warning("serving the target alone: %s", err)
-        return ServedModel(registered_model=cfg.registered_model_name, model_version=TARGET_ONLY)
-    return ServedModel(registered_model=resolved.name, model_version=resolved.version, export_dir=str(resolved.export_dir))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Engine deployment
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class _LiveEngine:
-    """An engine plus its in-flight request count, so a replaced engine stops only when idle."""
-
-    def __init__(self, engine: Any, served: ServedModel) -> None:
-        self.engine = engine
-        self.served = served
-        self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def enter(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
-
-    async def retire(self, drain_timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout=drain_timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning(
-                "engine for version %s still had %d requests after %.0f s; stopping it anyway",
-                self.served.model_version,
-                self.in_flight,
-                drain_timeout_s,
-            )
-        await self.engine.stop()
-
-
-@serve.deployment(name=ENGINE_DEPLOYMENT)
-class EngineServer:
-    """One engine (SGLang on GPU, the reference engine on CPU) per replica; the version comes from user_config."""
-
-    def __init__(self, config: dict) -> None:
-        from draftline.target.load import resolve_target_dir
-
-        self._cfg = DraftlineConfig.model_validate(config)
-        self._target_dir = resolve_target_dir(self._cfg)
-        self._live: Optional[_LiveEngine] = None
-        self._swap_lock = asyncio.Lock()
-        self._retiring: set[asyncio.Task] = set()
-        self._last_error: Optional[str] = None
-        self._metrics = EngineMetrics()
-
-    async def reconfigure(self, user_config: dict) -> None:
-        wanted = ServedModel.model_validate(user_config)
-        async with self._swap_lock:
-            if self._live is not None and self._live.served == wanted:
-                return
-            try:
-                engine = await self._start_engine(wanted)
-            except Exception as err:  # noqa: BLE001 - the old engine keeps serving; the error is reported
-                self._last_error = f"could not start version {wanted.model_version} from {wanted.export_dir}: {err!r}"
-                if self._live is None:
-                    raise RuntimeError(self._last_error) from err
-                logger.error("%s; still serving version %s", self._last_error, self._live.served.model_version)
-                return
-            old, self._live = self._live, _LiveEngine(engine, wanted)
-            self._last_error = None
-            self._metrics.record_swap(self._cfg.engine.backend, wanted.model_version, old and old.served.model_version)
-            logger.info(
-                "now serving %s version %s%s",
-                wanted.registered_model,
-                wanted.model_version,
-                f" (replaced {old.served.model_version})" if old else "",
-            )
-            if old is not None:
-                task = asyncio.create_task(old.retire(self._cfg.serve.drain_timeout_s))
-                self._retiring.add(task)
-                task.add_done_callback(self._retiring.discard)
-
-    async def _start_engine(self, wanted: ServedModel) -> Any:
-        from draftline.engines import make_engine
-
-        engine = make_engine(
-            self._cfg,
-            self._target_dir,
-            drafter_dir=Path(wanted.export_dir) if wanted.export_dir else None,
-            model_version=wanted.model_version,
-        )
-        await engine.start()
-        if not await engine.health():
-            await engine.stop()
-            raise RuntimeError(f"engine {engine.name} started but reports unhealthy")
-        return engine
-
-    def _served_version(self, live: _LiveEngine) -> dict:
-        return ServedVersion(
-            registered_model=live.served.registered_model,
-            model_version=live.served.model_version,
-            backend=self._cfg.engine.backend,
-        ).model_dump()
-
-    async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
-        """Stream chunks as dicts; every chunk names the version, which stays the same for the whole request."""
-        live = self._live
-        if live is None:
-            raise RuntimeError("no engine is loaded yet (reconfigure has not run)")
-        served = self._served_version(live)
-        live.enter()
-        try:
-            async for chunk in live.engine.generate(prompt_ids, SamplingParams(**params)):
-                yield {
-                    "token_ids": list(chunk.token_ids),
-                    "text": chunk.text,
-                    "finished": chunk.finished,
-                    "finish_reason": chunk.finish_reason,
-                    "stats": asdict(chunk.stats) if chunk.stats is not None else None,
-                    "served": served,
-                }
-        finally:
-            live.leave()
-
-    async def served(self) -> dict:
-        """The version this replica serves, its engine's health, and the last failed swap (if any)."""
-        live = self._live
-        return {
-            "served": self._served_version(live) if live else None,
-            "healthy": bool(live) and await live.engine.health(),
-            "last_error": self._last_error,
-            "replica": serve.get_replica_context().replica_id.unique_id,
-        }
-
-    async def check_health(self) -> None:
-        if self._live is None or not await self._live.engine.health():
-            raise RuntimeError("engine is not loaded or reports unhealthy")
-
-    async def __del__(self) -> None:
-        if self._live is not None:
-            await self._live.engine.stop()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Ingress: OpenAI-compatible HTTP
-# ---------------------------------------------------------------------------------------------------------------
+DEFAULT_ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 413: "request_too_large",
+                       500: "internal_error", 503: "unavailable"}
 
 
 class ApiError(Exception):
@@ -249,7 +66,8 @@ class ApiError(Exception):
         headers: Optional[dict[str, str]] = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code or DEFAULT_ERROR_CODES.get(status, "error")  # clients branch on code: never null
         self.headers = headers
 
     def response(self) -> JSONResponse:
@@ -350,10 +168,14 @@ class RequestValidator:
             raise ApiError(401, "invalid bearer token", "authentication_error", code="invalid_api_key")
 
     def prepare(self, route: str, body: bytes) -> _Prepared:
+        if len(body) > self._cfg.serve.max_request_bytes:
+            raise self.too_large(len(body))
         try:
             payload = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ApiError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply to parse", code="invalid_json") from None
         if not isinstance(payload, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(payload).__name__}", code="invalid_json")
         schema = ChatCompletionRequest if route == "chat" else CompletionRequest
@@ -381,12 +203,28 @@ class RequestValidator:
         prefix = "chatcmpl" if route == "chat" else "cmpl"
         return _Prepared(route, new_request_id(prefix), prompt_ids, params, stop_strings, req.stream, include_usage)
 
+    def too_large(self, size_bytes: int) -> ApiError:
+        limit = self._cfg.serve.max_request_bytes
+        return ApiError(413, f"request body is {size_bytes} bytes; this endpoint accepts at most {limit} "
+                             "(serve.max_request_bytes): shorten the prompt")
+
     def _prompt_ids(self, req: Union[ChatCompletionRequest, CompletionRequest]) -> list[int]:
+        try:
+            return self._tokenize(req)
+        except UnicodeEncodeError as err:  # a lone surrogate such as "\ud800" is valid JSON but not text
+            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            raise ApiError(400, f"the {param} holds an unpaired UTF-16 surrogate ({err.object[err.start:err.end]!r}); "
+                                "send valid Unicode text", param=param) from None
+
+    def _tokenize(self, req: Union[ChatCompletionRequest, CompletionRequest]) -> list[int]:
         if isinstance(req, ChatCompletionRequest):
+            for message in req.messages:
+                message.content.encode("utf-8")
             messages = [message.model_dump(exclude_none=True) for message in req.messages]
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(req.prompt, str):
+            req.prompt.encode("utf-8")
             ids = self.tokenizer(req.prompt)["input_ids"]
         else:
             ids = list(req.prompt)
@@ -420,7 +258,9 @@ class RequestValidator:
         return requested
 
 
-fastapi_app = FastAPI(title="draftline", description="OpenAI-compatible speculative decoding endpoint")
+# No /docs, /redoc or /openapi.json: they would answer without the bearer token; the API is docs/serving.md.
+fastapi_app = FastAPI(title="draftline", description="OpenAI-compatible speculative decoding endpoint",
+                      docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT)
@@ -471,7 +311,11 @@ class Ingress:
         started_s = time.perf_counter()
         try:
             self._requests.authorize(request)
-            prepared = self._requests.prepare(route, await request.body())
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self._cfg.serve.max_request_bytes:
+                raise self._requests.too_large(int(declared))  # before reading the body
+            # Off the event loop: tokenizing a long chat template must not stall /healthz and other requests.
+            prepared = await asyncio.to_thread(self._requests.prepare, route, await request.body())
             stream = self._engine.options(stream=True).generate.remote(prepared.prompt_ids, asdict(prepared.params))
             first = await self._first_chunk(stream)
         except ApiError as err:
@@ -503,8 +347,10 @@ class Ingress:
             cause = getattr(err, "cause", None)
             if isinstance(cause, BackPressureError):
                 raise self._overloaded(str(cause)) from None
+            # The full error (replica, node, paths) goes to the Serve log only; the client gets one clean line.
             logger.exception("engine request failed")
-            raise ApiError(500, f"the engine failed: {type(err).__name__}: {err}", "server_error") from None
+            raise ApiError(500, f"the engine failed ({type(cause or err).__name__}); the error is in the Serve "
+                                "replica logs", "server_error") from None
 
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self._cfg.serve.retry_after_s)))}
@@ -616,60 +462,3 @@ class Ingress:
             raise ApiError(503, "the engine has not loaded a model yet", "server_error", code="unavailable",
                            headers=self._retry_after())
         return ServedVersion(**state["served"])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Building the application
-# ---------------------------------------------------------------------------------------------------------------
-
-_FROM_ENV = object()
-
-
-def auth_token_sha256_from_env(cfg: DraftlineConfig) -> Optional[str]:
-    """sha256 of the bearer token in the env var named by serve.auth_token_env (None: auth off).
-
-    Only the hash travels to the replicas, so the token never appears in Serve's config or dashboard.
-    """
-    token = os.environ.get(cfg.serve.auth_token_env, "").strip()
-    return token_hash(token) if token else None
-
-
-def engine_options(cfg: DraftlineConfig, served: ServedModel) -> dict:
-    """Serve options of the engine deployment (also the `deployments` override in a declarative config)."""
-    return {
-        "num_replicas": cfg.serve.num_replicas,
-        "max_ongoing_requests": cfg.serve.max_ongoing_requests,
-        "max_queued_requests": cfg.serve.max_queued_requests,
-        "max_surge_percent": cfg.serve.max_surge_percent,
-        "ray_actor_options": {"num_cpus": cfg.serve.cpus_per_replica, "num_gpus": cfg.serve.gpus_per_replica},
-        "user_config": served.model_dump(),
-        "graceful_shutdown_timeout_s": cfg.serve.drain_timeout_s,
-        "health_check_period_s": 5,
-        "health_check_timeout_s": 60,
-    }
-
-
-def build_app(cfg: DraftlineConfig, served: Optional[ServedModel] = None, auth_token_sha256: Any = _FROM_ENV):
-    """The Serve application for `cfg`: ingress -> engine. `served` defaults to the registry champion."""
-    config = cfg.model_dump(mode="json")
-    served = served or resolve_served_model(cfg)
-    if auth_token_sha256 is _FROM_ENV:
-        auth_token_sha256 = auth_token_sha256_from_env(cfg)
-    # The ingress admits what the engines can run or queue, plus headroom for /healthz and /v1/models.
-    engine_capacity = cfg.serve.num_replicas * (cfg.serve.max_ongoing_requests + max(cfg.serve.max_queued_requests, 0))
-    engine = EngineServer.options(**engine_options(cfg, served)).bind(config)
-    return Ingress.options(
-        num_replicas=1,
-        max_ongoing_requests=engine_capacity + 16,
-        max_queued_requests=max(cfg.serve.max_queued_requests, 0) + 16,
-        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.serve.retry_after_s),
-        ray_actor_options={"num_cpus": cfg.serve.ingress_cpus_per_replica},
-    ).bind(engine, config, auth_token_sha256)
-
-
-def app_builder(args: dict):
-    """Serve application builder for declarative configs: args {"config": <resolved config>, "auth_token_sha256"}."""
-    if "config" not in args:
-        raise ValueError("draftline app args need 'config' (a resolved draftline config mapping)")
-    cfg = DraftlineConfig.model_validate(args["config"])
-    return build_app(cfg, auth_token_sha256=args.get("auth_token_sha256"))

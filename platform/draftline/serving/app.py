@@ -1,0 +1,67 @@
+"""Building the Serve application from config: OpenAI ingress -> engine replicas."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from ray.serve.config import BackpressureConfig
+
+from draftline.config import DraftlineConfig
+from draftline.serving.engine_server import EngineServer
+from draftline.serving.openai_api import Ingress, token_hash
+from draftline.serving.served_model import ServedModel, resolve_served_model
+
+APP_NAME = "draftline"
+
+_FROM_ENV = object()
+
+
+def auth_token_sha256_from_env(cfg: DraftlineConfig) -> Optional[str]:
+    """sha256 of the bearer token in the env var named by serve.auth_token_env (None: auth off).
+
+    Only the hash travels to the replicas, so the token never appears in Serve's config or dashboard.
+    """
+    token = os.environ.get(cfg.serve.auth_token_env, "").strip()
+    return token_hash(token) if token else None
+
+
+def engine_options(cfg: DraftlineConfig, served: ServedModel) -> dict:
+    """Serve options of the engine deployment (also the `deployments` override in a declarative config)."""
+    return {
+        "num_replicas": cfg.serve.num_replicas,
+        "max_ongoing_requests": cfg.serve.max_ongoing_requests,
+        "max_queued_requests": cfg.serve.max_queued_requests,
+        "max_surge_percent": cfg.serve.max_surge_percent,
+        "ray_actor_options": {"num_cpus": cfg.serve.cpus_per_replica, "num_gpus": cfg.serve.gpus_per_replica},
+        "user_config": served.model_dump(),
+        "graceful_shutdown_timeout_s": cfg.serve.drain_timeout_s,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 60,
+    }
+
+
+def build_app(cfg: DraftlineConfig, served: Optional[ServedModel] = None, auth_token_sha256: Any = _FROM_ENV):
+    """The Serve application for `cfg`: ingress -> engine. `served` defaults to the registry champion."""
+    config = cfg.model_dump(mode="json")
+    served = served or resolve_served_model(cfg)
+    if auth_token_sha256 is _FROM_ENV:
+        auth_token_sha256 = auth_token_sha256_from_env(cfg)
+    # The ingress admits what the engines can run or queue, plus headroom for /healthz and /v1/models.
+    engine_capacity = cfg.serve.num_replicas * (cfg.serve.max_ongoing_requests + max(cfg.serve.max_queued_requests, 0))
+    engine = EngineServer.options(**engine_options(cfg, served)).bind(config)
+    return Ingress.options(
+        num_replicas=1,
+        max_ongoing_requests=engine_capacity + 16,
+        max_queued_requests=max(cfg.serve.max_queued_requests, 0) + 16,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.serve.retry_after_s),
+        ray_actor_options={"num_cpus": cfg.serve.ingress_cpus_per_replica},
+    ).bind(engine, config, auth_token_sha256)
+
+
+def app_builder(args: dict):
+    """Serve application builder for declarative configs: args {"config": <resolved config>, "auth_token_sha256"}."""
+    if "config" not in args:
+        raise ValueError("draftline app args need 'config' (a resolved draftline config mapping)")
+    cfg = DraftlineConfig.model_validate(args["config"])
+    return build_app(cfg, auth_token_sha256=args.get("auth_token_sha256"))

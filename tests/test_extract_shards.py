@@ -194,7 +194,7 @@ def test_reader_refuses_a_shard_overwritten_in_place_at_the_same_size(target, va
     plan = _plan(target)
     storage = Storage(tmp_path / "val")
     _write_all(target, split_tokens, storage, plan)
-    shards = _finish(storage, target, split_tokens, plan)
+    _finish(storage, target, split_tokens, plan)
     path = tmp_path / "val" / shard_file_name(0)
     size = path.stat().st_size
     with open(path, "r+b") as handle:

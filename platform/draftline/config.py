@@ -203,6 +203,11 @@ class ServeConfig(Strict):
     allow_target_only: bool = Field(
         True, description="serve the target alone (model version 'target-only') when the registry has no champion"
     )
+    rollout: Literal["beside", "drain_and_swap"] = Field(
+        "beside",
+        description="beside: each replica starts the new engine next to the old (needs room for two); drain_and_swap: "
+        "one engine per replica, replaced after its requests finish (GPU replicas; use num_replicas >= 2)",
+    )
     drain_timeout_s: float = Field(60, gt=0, description="how long a replaced engine may finish its in-flight requests")
     max_surge_percent: int = Field(
         100, ge=0, le=100, description="extra engine replicas Serve may start so old ones serve until new ones are up"

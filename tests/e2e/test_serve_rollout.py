@@ -7,6 +7,7 @@ and promoted with the registry; Serve runs on 127.0.0.1 in the session's local R
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import stat
@@ -69,6 +70,27 @@ async def _load(url: str, stop: threading.Event) -> list[tuple[float, float, obj
     return results
 
 
+@contextlib.contextmanager
+def _under_load(url: str):
+    """CLIENTS clients load `url` for the duration of the with-block; the yielded list fills with _load's results."""
+    stop = threading.Event()
+    results: list = []
+    load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop))))
+    load.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        load.join(timeout=MAX_LOAD_S + 60)
+    assert not load.is_alive()
+
+
+def _outcomes(results: list) -> tuple[list, Counter]:
+    """(failures, versions that answered)"""
+    failures = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
+    return failures, Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
+
+
 def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_factory):
     from draftline.registry import alias_version_number
     from draftline.release import promote_and_roll
@@ -77,23 +99,16 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}"])
     url = start_serving(cfg)
     try:
-        stop = threading.Event()
-        results: list = []
-        load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop))))
-        load.start()
-        time.sleep(5)  # old version under load first
-        roll_started = time.monotonic()
-        message = promote_and_roll(cfg, new)
-        rolled_at = time.monotonic()
-        time.sleep(5)  # new version under load
-        stop.set()
-        load.join(timeout=MAX_LOAD_S + 60)
-        assert not load.is_alive()
+        with _under_load(url) as results:
+            time.sleep(5)  # old version under load first
+            roll_started = time.monotonic()
+            message = promote_and_roll(cfg, new)
+            rolled_at = time.monotonic()
+            time.sleep(5)  # new version under load
     finally:
         stop_serving()
 
-    failures = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
-    versions = Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
+    failures, versions = _outcomes(results)
     late = Counter(outcome for started, _, outcome in results if started > rolled_at)
     print(
         f"rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
@@ -105,6 +120,39 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     assert failures == []
     assert set(versions) == {old, new} and versions[old] > 0 and versions[new] > 0
     assert late and set(late) == {new}, "a request started after the promotion returned was answered by the old version"
+
+
+def test_drain_and_swap_rollout_with_two_replicas_loses_no_request(registry, tmp_path_factory):
+    """serve.rollout=drain_and_swap (one engine per replica, as on a GPU that holds one copy of the target): each
+    replica drains and swaps in turn while the other answers; promotion under load, then rollback under load."""
+    from draftline.registry import alias_version_number, promote
+    from draftline.release import promote_and_roll, rollback_and_roll
+
+    extra, old, new = registry
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [
+        f"serve.port={free_port()}", "serve.rollout=drain_and_swap", "serve.num_replicas=2", "serve.cpus_per_replica=0.5"])
+    promote(cfg, old)
+    url = start_serving(cfg)
+    try:
+        with _under_load(url) as results:
+            time.sleep(3)
+            started = time.monotonic()
+            promote_and_roll(cfg, new)
+            promoted_s = time.monotonic() - started
+            time.sleep(2)
+            started = time.monotonic()
+            rollback_and_roll(cfg)
+            rolled_back_s = time.monotonic() - started
+            time.sleep(2)
+    finally:
+        stop_serving()
+    failures, versions = _outcomes(results)
+    slowest_s = max(end - start for start, end, _ in results)
+    print(f"drain_and_swap, 2 replicas: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}, "
+          f"promotion {promoted_s:.1f} s, rollback {rolled_back_s:.1f} s, slowest request {slowest_s:.1f} s")
+    assert failures == []
+    assert versions[old] > 0 and versions[new] > 0
+    assert alias_version_number(cfg) == old
 
 
 # Connects the way `draftline promote`/`rollback` do, without touching the registry; exit 3 on a ServingError.
@@ -176,22 +224,16 @@ def test_failed_roll_leaves_registry_and_serving_as_they_were(registry, tiny_tar
     champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
     url = start_serving(cfg)
     try:
-        stop = threading.Event()
-        results: list = []
-        load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop))))
-        load.start()
-        time.sleep(3)
-        with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {old}.*registry is unchanged"):
-            promote_and_roll(cfg, broken)
-        time.sleep(3)
-        stop.set()
-        load.join(timeout=MAX_LOAD_S + 60)
+        with _under_load(url) as results:
+            time.sleep(3)
+            with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {old}.*registry is unchanged"):
+                promote_and_roll(cfg, broken)
+            time.sleep(3)
         assert (alias_version_number(cfg), alias_version_number(cfg, "previous")) == (champion, previous)
         health = httpx.get(f"{url}/healthz", timeout=30).json()
         assert health["served"]["model_version"] == old and health["last_error"] is None
     finally:
         stop_serving()
-    failures = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
-    versions = Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
+    failures, versions = _outcomes(results)
     print(f"failed roll to {broken}: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}")
     assert failures == [] and set(versions) == {old}

@@ -6,6 +6,9 @@
   Requests already running finish on the engine they started on; the old engine stops once it is idle (or after
   serve.drain_timeout_s). So every response comes whole from one version. If the new engine cannot start, the
   replica keeps serving the old version and reports the error (`served()`), which `roll_to` turns into a failure.
+- serve.rollout=drain_and_swap instead holds one engine per replica at a time (GPU replicas, where a second copy
+  of the target does not fit): new requests wait while running ones finish, then the engine is replaced; Serve
+  reconfigures replicas a fraction at a time, so with num_replicas >= 2 the others keep answering meanwhile.
 - `start_engine` is the one place an engine is constructed (reference, vLLM, SGLang via draftline.engines).
 """
 
@@ -92,12 +95,17 @@ class EngineServer:
         self._retiring: set[asyncio.Task] = set()
         self._last_error: Optional[str] = None
         self._metrics = EngineMetrics()
+        self._accepting = asyncio.Event()
+        self._accepting.set()
 
     async def reconfigure(self, user_config: dict) -> None:
         wanted = ServedModel.model_validate(user_config)
         async with self._swap_lock:
             if self._live is not None and self._live.served == wanted:
                 self._last_error = None  # asked back to what it serves (a failed rollout being undone)
+                return
+            if self._live is not None and self._cfg.serve.rollout == "drain_and_swap":
+                await self._drain_and_swap(wanted)
                 return
             try:
                 engine = await start_engine(self._cfg, self._target_dir, wanted)
@@ -121,6 +129,28 @@ class EngineServer:
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)
 
+    async def _drain_and_swap(self, wanted: ServedModel) -> None:
+        """One engine at a time (a GPU holds one copy of the target): new requests wait, running ones finish, the old
+        engine stops, the new one starts. If it cannot, the old version is started again and the error reported."""
+        old = self._live
+        self._accepting.clear()
+        try:
+            await old.retire(self._cfg.serve.drain_timeout_s)
+            try:
+                engine, served = await start_engine(self._cfg, self._target_dir, wanted), wanted
+                self._last_error = None
+            except Exception as err:  # noqa: BLE001 - bring the old version back; the error is reported
+                self._last_error = f"could not start version {wanted.model_version} from {wanted.export_dir}: {err!r}"
+                logger.error("%s; starting version %s again", self._last_error, old.served.model_version)
+                engine, served = await start_engine(self._cfg, self._target_dir, old.served), old.served
+            self._live = _LiveEngine(engine, served)
+            if served == wanted:
+                self._metrics.record_swap(self._cfg.engine.backend, wanted.model_version, old.served.model_version)
+                logger.info("now serving %s version %s (drained and replaced %s)", wanted.registered_model,
+                            wanted.model_version, old.served.model_version)
+        finally:
+            self._accepting.set()
+
     def _served_version(self, live: _LiveEngine) -> dict:
         return ServedVersion(
             registered_model=live.served.registered_model,
@@ -130,6 +160,7 @@ class EngineServer:
 
     async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream chunks as dicts; every chunk names the version, which stays the same for the whole request."""
+        await self._accepting.wait()  # closed only while drain_and_swap replaces the engine
         live = self._live
         if live is None:
             raise RuntimeError("no engine is loaded yet (reconfigure has not run)")
@@ -160,6 +191,8 @@ class EngineServer:
         }
 
     async def check_health(self) -> None:
+        if not self._accepting.is_set():
+            return  # mid drain_and_swap: the engine is being replaced on purpose
         if self._live is None or not await self._live.engine.health():
             raise RuntimeError("engine is not loaded or reports unhealthy")
 

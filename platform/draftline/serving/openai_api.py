@@ -328,7 +328,14 @@ class Ingress:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        result = await self._collect(prepared, stream, first, started_s)
+        try:
+            result = await self._collect(prepared, stream, first, started_s)
+        except Exception:  # noqa: BLE001 - e.g. the replica died mid-request: still an OpenAI-shaped answer
+            logger.exception("request %s failed after it started", prepared.request_id)
+            error = ApiError(503, "the engine replica failed while generating; retry the request", "server_error",
+                             code="engine_failed", headers=self._retry_after())
+            self._metrics.record_status(route, error.status)
+            return error.response()
         self._metrics.record_status(route, 200)
         return JSONResponse(result)
 

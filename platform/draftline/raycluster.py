@@ -85,13 +85,18 @@ def code_runtime_env() -> dict:
     return {"py_modules": [os.path.dirname(os.path.abspath(__file__))]}
 
 
+def configured_ray_address(cfg: DraftlineConfig | None = None) -> str | None:
+    """ray.address, else RAY_ADDRESS (Ray sets it for `ray job submit` drivers); None: a local Ray started here."""
+    return (cfg.ray.address if cfg else None) or os.environ.get("RAY_ADDRESS")
+
+
 def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) -> str:
     """Initialise Ray once per process; returns 'cluster' or 'local'."""
     import ray
 
     if ray.is_initialized():
         return "cluster" if os.environ.get("RAY_ADDRESS") else "local"
-    address = (cfg.ray.address if cfg else None) or os.environ.get("RAY_ADDRESS")
+    address = configured_ray_address(cfg)
     if address:
         ray.init(address=address, runtime_env=code_runtime_env(), log_to_driver=True)
         return "cluster"

@@ -37,7 +37,7 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from draftline.config import DraftlineConfig
-from draftline.engines.base import SamplingParams, SpecStats
+from draftline.engines.base import TARGET_ONLY, SamplingParams, SpecStats
 from draftline.serving.metrics import EngineMetrics, IngressMetrics
 from draftline.serving.openai_schema import (
     ChatChoice,
@@ -65,7 +65,6 @@ logger = logging.getLogger("ray.serve")
 APP_NAME = "draftline"
 ENGINE_DEPLOYMENT = "DraftlineEngine"
 INGRESS_DEPLOYMENT = "DraftlineIngress"
-TARGET_ONLY = "target-only"
 MAX_STOP_STRINGS = 4
 
 

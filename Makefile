@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 DEEPSPEED := deepspeed==0.19.8
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo serve test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
+
+# The demo's champion on 127.0.0.1:8000 until Ctrl-C (`make demo` ends with its local Ray, and the endpoint with it).
+serve: setup
+	$(VENV)/bin/draftline serve --config configs/tiny-cpu.yaml
 
 test: setup
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)

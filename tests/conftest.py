@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A bench of a few short prompts: real accept length, speedup and losslessness in seconds (add bench.concurrency).
+SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16"]
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now: other test runs and helpers serve on this machine too, so never a fixed one."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +68,23 @@ def tiny_dataset_dir(tiny_cfg, tiny_target_dir):
     from draftline.data.prepare import prepare
 
     return prepare(tiny_cfg, tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def fitted_drafter_dir(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
+    """A drafter fitted in-process for 200 steps (`quick_drafter`, cached on disk): most drafts are accepted."""
+    from draftline.bench.quick_drafter import quick_drafter
+
+    return quick_drafter(tiny_cfg, tiny_target_dir, tiny_dataset_dir, steps=200)
+
+
+@pytest.fixture(scope="session")
+def random_drafter_dir(tmp_path_factory, tiny_target_dir):
+    """An export of a randomly initialised drafter for the test target: almost every draft is rejected."""
+    from draftline.drafter.export import export_drafter
+    from registry_helpers import random_drafter
+
+    return export_drafter(random_drafter(tiny_target_dir, draft_vocab_size=512, seed=3), tmp_path_factory.mktemp("rnd"))
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,12 @@ import pytest
 from draftline.bench.cli import best_per_concurrency, run_bench
 from draftline.bench.prompts import load_prompt_file, prompt_from_sample
 from draftline.bench.runner import format_table, percentile
-from conftest import make_test_config
+from conftest import SMALL_BENCH, make_test_config
 
-SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16", "bench.concurrency=[1,2]"]
+BENCH = SMALL_BENCH + ["bench.concurrency=[1,2]"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def fitted_drafter_dir(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
-    from draftline.bench.quick_drafter import quick_drafter
-
-    return quick_drafter(tiny_cfg, tiny_target_dir, tiny_dataset_dir, steps=200)
 
 
 def test_percentile_matches_linear_interpolation():
@@ -74,7 +67,7 @@ def test_best_per_concurrency_skips_lossy_and_baseline_rows():
 
 
 def test_bench_run_reports_speedup_accept_length_and_losslessness(tiny_target_dir, fitted_drafter_dir):
-    cfg = make_test_config(extra=SMALL_BENCH)
+    cfg = make_test_config(extra=BENCH)
     report = run_bench(cfg, [("fitted", fitted_drafter_dir, None)], log=lambda _: None)
     rows = report["rows"]
     assert [(r["label"], r["concurrency"]) for r in rows] == [
@@ -100,7 +93,7 @@ def test_bench_cli_sweep_stores_best_config_on_the_version(tmp_path, tiny_target
     from draftline.tracking import BENCH_BEST_TAG, mlflow_client
     from registry_helpers import mlflow_test_config, register_drafter
 
-    cfg = mlflow_test_config(tmp_path, SMALL_BENCH)
+    cfg = mlflow_test_config(tmp_path, BENCH)
     version = register_drafter(cfg, load_drafter(fitted_drafter_dir))
     out = tmp_path / "bench.json"
     overrides = [

@@ -17,7 +17,6 @@ from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
 from draftline.target.capture import capture_aux_hidden
 from conftest import make_test_config
-from registry_helpers import random_drafter
 
 CHAIN_AND_TREE = [(3, 1, 4), (5, 1, 6), (3, 2, 6), (4, 4, 8)]
 
@@ -42,20 +41,6 @@ def prompt_ids(sample: dict) -> list[int]:
 def prompts(tiny_dataset_dir):
     samples = load_split(tiny_dataset_dir, "bench") + load_split(tiny_dataset_dir, "val")
     return [prompt_ids(s) for s in samples if 1 in s["loss_mask"]]
-
-
-@pytest.fixture(scope="module")
-def fitted_drafter_dir(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
-    from draftline.bench.quick_drafter import quick_drafter
-
-    return quick_drafter(tiny_cfg, tiny_target_dir, tiny_dataset_dir, steps=200)
-
-
-@pytest.fixture(scope="module")
-def random_drafter_dir(tmp_path_factory, tiny_target_dir):
-    from draftline.drafter.export import export_drafter
-
-    return export_drafter(random_drafter(tiny_target_dir, draft_vocab_size=512, seed=3), tmp_path_factory.mktemp("rnd"))
 
 
 @pytest.fixture(scope="module")

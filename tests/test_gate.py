@@ -9,9 +9,8 @@ from draftline.config import GateConfig
 from draftline.gate import decide, run_gate
 from draftline.registry import PromotionRefused, promote
 from draftline.tracking import GATE_REASONS_TAG, GATE_RUN_TAG, GATE_TAG, mlflow_client
+from conftest import SMALL_BENCH
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
-
-SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16", "bench.concurrency=[1]"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,15 +59,14 @@ def test_champion_margin_and_lossless_switch():
 
 
 @pytest.mark.slow
-def test_gate_runs_tag_versions_and_drive_promotion(tmp_path, tiny_cfg, tiny_target_dir, tiny_dataset_dir):
+def test_gate_runs_tag_versions_and_drive_promotion(tmp_path, tiny_target_dir, fitted_drafter_dir):
     """A fitted drafter passes and is promoted; a random one fails (accept length) and promotion refuses it."""
-    from draftline.bench.quick_drafter import quick_drafter
     from draftline.drafter.export import load_drafter
 
     # min_speedup is relaxed: wall-clock speed on a shared test machine is not what this test is about.
-    cfg = mlflow_test_config(tmp_path, SMALL_BENCH + ["gate.min_speedup=0.2", "gate.min_accept_len=1.5",
-                                                       "gate.max_p99_latency_ratio=100"])  # fmt: skip
-    fitted = load_drafter(quick_drafter(tiny_cfg, tiny_target_dir, tiny_dataset_dir, steps=200))
+    cfg = mlflow_test_config(tmp_path, SMALL_BENCH + ["bench.concurrency=[1]", "gate.min_speedup=0.2",
+                                                       "gate.min_accept_len=1.5", "gate.max_p99_latency_ratio=100"])  # fmt: skip
+    fitted = load_drafter(fitted_drafter_dir)
     good = register_drafter(cfg, fitted)
     bad = register_drafter(cfg, random_drafter(tiny_target_dir, 512, seed=5))
 

@@ -9,7 +9,6 @@ one). The real server is exercised by scripts/gpu_smoke.sh on a GPU machine.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from pathlib import Path
 
@@ -18,16 +17,9 @@ import pytest
 from draftline.engines.base import SamplingParams
 from draftline.engines.sglang.engine import SGLangEngine, SGLangError, spec_stats_from_meta
 from draftline.engines.sglang.preflight import PreflightError
-from conftest import make_test_config
-from registry_helpers import random_drafter
+from conftest import free_port, make_test_config
 
 FAKE_SERVER = [sys.executable, str(Path(__file__).with_name("fake_sglang_server.py"))]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def sglang_config(extra=()):
@@ -42,20 +34,13 @@ def sglang_config(extra=()):
     )
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory, tiny_target_dir):
-    from draftline.drafter.export import export_drafter
-
-    return export_drafter(random_drafter(tiny_target_dir, 512), tmp_path_factory.mktemp("drafter"))
-
-
 async def collect(engine, prompt, params):
     return [chunk async for chunk in engine.generate(prompt, params)]
 
 
-def test_streams_tokens_and_spec_stats_from_a_server_process(tiny_target_dir, drafter_dir, caplog):
+def test_streams_tokens_and_spec_stats_from_a_server_process(tiny_target_dir, random_drafter_dir, caplog):
     caplog.set_level("INFO", logger="draftline.sglang")
-    engine = SGLangEngine(sglang_config(), tiny_target_dir, drafter_dir, model_version="7", launcher=FAKE_SERVER)
+    engine = SGLangEngine(sglang_config(), tiny_target_dir, random_drafter_dir, model_version="7", launcher=FAKE_SERVER)
 
     async def scenario():
         await engine.start()
@@ -101,11 +86,11 @@ def test_target_only_launches_without_speculative_flags(tiny_target_dir):
     assert chunks[-1].stats.verify_steps == 0 and chunks[-1].stats.output_tokens == 3
 
 
-def test_crashed_server_is_restarted(tiny_target_dir, drafter_dir, tmp_path, monkeypatch):
+def test_crashed_server_is_restarted(tiny_target_dir, random_drafter_dir, tmp_path, monkeypatch):
     """The fake server exits in the middle of the first request; the engine restarts it and serves again."""
     monkeypatch.setenv("FAKE_SGLANG_CRASH_FILE", str(tmp_path / "crashed-once"))
     monkeypatch.setattr("draftline.engines.sglang.engine.RESTART_BACKOFF_S", (0.2,))
-    engine = SGLangEngine(sglang_config(), tiny_target_dir, drafter_dir, launcher=FAKE_SERVER)
+    engine = SGLangEngine(sglang_config(), tiny_target_dir, random_drafter_dir, launcher=FAKE_SERVER)
 
     async def scenario():
         await engine.start()
@@ -138,9 +123,9 @@ def test_server_that_cannot_start_fails_with_its_log(tiny_target_dir, monkeypatc
         asyncio.run(scenario())
 
 
-def test_preflight_errors_refuse_to_launch(tiny_target_dir, drafter_dir):
+def test_preflight_errors_refuse_to_launch(tiny_target_dir, random_drafter_dir):
     cfg = sglang_config(["engine.sglang.extra_args=['--no-such-flag']"])
-    engine = SGLangEngine(cfg, tiny_target_dir, drafter_dir, launcher=FAKE_SERVER)
+    engine = SGLangEngine(cfg, tiny_target_dir, random_drafter_dir, launcher=FAKE_SERVER)
     with pytest.raises(PreflightError, match="no-such-flag"):
         asyncio.run(engine.start())
     assert engine._process is None

@@ -5,6 +5,7 @@ bootstrap (embedded only) -> prepare -> extract -> train (+export, register) -> 
 Each stage records what it was run on (a hash of its config sections and its upstream outputs) and what it produced
 in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
 is skipped, so a rerun after a failure continues where it stopped; `--from STAGE` forces that stage and what follows.
+A stage whose output is a process (serve: a live endpoint) also has to be running now, for this run, to be skipped.
 Each stage's output also goes to `<...>/logs/<stage>.log`; the final report is printed and written as report.md.
 """
 
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
 from draftline.utils import atomic_write_json, read_json, stable_hash
@@ -39,6 +40,8 @@ class Stage:
     applies: Callable[[DraftlineConfig], bool] = lambda cfg: True
     # Outputs that must still exist for a recorded result to count (paths).
     output_paths: tuple[str, ...] = ()
+    # For a stage whose output is a process, not files: why its recorded outputs no longer hold now (None: they do).
+    still_running: Optional[Callable[[Context, dict], Optional[str]]] = None
 
 
 def _stage_bootstrap(ctx: Context) -> dict:
@@ -109,12 +112,23 @@ def _stage_promote(ctx: Context) -> dict:
 
 
 def _stage_serve(ctx: Context) -> dict:
+    from draftline.raycluster import configured_ray_address
     from draftline.serving.control import serve_champion, smoke_chat_completion
+    from draftline.serving.liveness import current_cluster, refuse_foreign_port
 
+    refuse_foreign_port(ctx.cfg)
     url = serve_champion(ctx.cfg)
     reply = smoke_chat_completion(ctx.cfg, url)
     print(f"[serve] {url}/v1/chat/completions -> {reply['content']!r} (version {reply['version']})")
-    return {"url": url, "version": reply["version"], "completion": reply["content"]}
+    return {"url": url, "version": reply["version"], "completion": reply["content"], **current_cluster(ctx.cfg),
+            "local_cluster": not configured_ray_address(ctx.cfg)}
+
+
+def _serve_still_running(ctx: Context, recorded: dict) -> Optional[str]:
+    from draftline.serving.liveness import serving_now
+
+    now = serving_now(ctx.cfg, recorded)
+    return None if now["serving"] else now["reason"]
 
 
 STAGES: tuple[Stage, ...] = (
@@ -125,7 +139,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("train", _stage_train, ("train", "tracking"), ("extract",), output_paths=("export_dir",)),
     Stage("gate", _stage_gate, ("gate", "bench", "engine"), ("train",)),
     Stage("promote", _stage_promote, ("tracking",), ("gate",)),
-    Stage("serve", _stage_serve, ("serve", "engine"), ("promote",)),
+    Stage("serve", _stage_serve, ("serve", "engine"), ("promote",), still_running=_serve_still_running),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -209,9 +223,14 @@ def relative_data_dir_in_ray_job(cfg: DraftlineConfig) -> str | None:
 
 
 def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_serving: bool = False,
-                 until: str | None = None) -> dict:
-    """Run (or skip) every stage; returns {stage: {"status", "seconds", "outputs"}}."""
+                 until: str | None = None, start_command: str = "draftline serve --config CONFIG") -> dict:
+    """Run (or skip) every stage; returns {stage: {"status", "seconds", "outputs"}}.
+
+    The serve stage's entry also says what is true once the run ends ("serving": see serving.liveness), with
+    `start_command` as the way to serve when nothing will be.
+    """
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     warning = relative_data_dir_in_ray_job(cfg)
@@ -227,12 +246,15 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
         if stage.name not in names:
             continue
         forced = forced or stage.name == from_stage
-        # A live service cannot be "already done": with --serve the serve stage always runs.
-        stage_forced = forced or (stage.name == "serve" and keep_serving)
         key = stage_key(cfg, stage, ctx.outputs)
         record_path = root / "stages" / f"{stage.name}.json"
         record = read_json(record_path) if record_path.exists() else {}
-        if not stage_forced and _record_is_valid(record, key, stage):
+        done = not forced and _record_is_valid(record, key, stage)
+        gone = stage.still_running(ctx, record["outputs"]) if done and stage.still_running else None
+        if gone:
+            console.print(f"[bold]{stage.name}[/bold]: runs again (done at {record.get('finished_at')}, "
+                          f"but {escape(gone)})")
+        if done and not gone:
             ctx.outputs[stage.name] = record["outputs"]
             summary[stage.name] = {"status": "skipped", "seconds": 0.0, "outputs": record["outputs"]}
             console.print(f"[bold]{stage.name}[/bold]: skipped (inputs unchanged since {record.get('finished_at')})")
@@ -247,10 +269,17 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
                                         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         summary[stage.name] = {"status": "ran", "seconds": seconds, "outputs": outputs}
         console.print(f"[bold]{stage.name}[/bold]: done in {seconds:.1f} s")
+    if "serve" in summary:
+        from draftline.serving.liveness import serving_at_exit
+
+        summary["serve"]["serving"] = serving_at_exit(cfg, summary["serve"]["outputs"], keep_serving, start_command)
     atomic_write_json(root / "summary.json", summary)
-    from draftline.report import write_report
+    from draftline.report import serving_line, write_report
 
     write_report(cfg, summary, root)
+    if "serve" in summary:
+        # Plain print: rich would wrap the command at the console width and read `[...]` in overrides as markup.
+        print(f"endpoint: {serving_line(summary['serve']['serving'])}", flush=True)
     return summary
 
 
@@ -266,7 +295,21 @@ def _cmd(args) -> int:
         if args.from_stage:
             print(f"# forced from: {args.from_stage}")
         return 0
-    summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until)
+    from draftline.raycluster import configured_ray_address
+    from draftline.serving.liveness import start_command
+
+    # As this run was started, so the command can be pasted as is (`.venv/bin/draftline` after `make demo`).
+    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "draftline" else "draftline"
+    from draftline.registry import RegistryError
+    from draftline.serving.control import ServingError
+
+    try:
+        summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until,
+                               start_command=start_command(program, args.config, list(args.overrides or []),
+                                                           local=not configured_ray_address(cfg)))
+    except (RegistryError, ServingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     if args.serve and "serve" in summary:
         from draftline.serving.control import block_until_interrupted
 

@@ -134,6 +134,11 @@ def _pinned_local_address():
                 os.environ[name] = value
 
 
+def configured_ray_address(cfg: DraftlineConfig | None = None) -> str | None:
+    """ray.address, else RAY_ADDRESS (Ray sets it for `ray job submit` drivers); None: a local Ray started here."""
+    return (cfg.ray.address if cfg else None) or os.environ.get("RAY_ADDRESS")
+
+
 def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) -> str:
     """Initialise Ray once per process; returns 'cluster' or 'local'."""
     global _ray_mode
@@ -141,7 +146,7 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
 
     if ray.is_initialized():
         return _ray_mode or ("cluster" if os.environ.get("RAY_ADDRESS") else "local")
-    address = (cfg.ray.address if cfg else None) or os.environ.get("RAY_ADDRESS")
+    address = configured_ray_address(cfg)
     if address:
         ray.init(address=address, runtime_env=code_runtime_env(), log_to_driver=True)
         _ray_mode = "cluster"

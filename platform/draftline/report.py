@@ -20,6 +20,15 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def serving_line(state: dict) -> str:
+    """What is true about the endpoint once the run ends (pipeline: serving.liveness.serving_at_exit)."""
+    if state["serving"]:
+        lasts = "until this process stops (Ctrl-C)" if state.get("local_cluster") else "and goes on after this run"
+        return (f"yes: {state['url']}/v1 serves {state['registered_model']} version {state['model_version']} "
+                f"from Ray cluster {state['ray_address']}, {lasts}")
+    return f"no: {state['reason']}; to keep it up run `{state['start_command']}`"
+
+
 def report_rows(summary: dict[str, dict], model_name: str, served_steps: int) -> list[tuple[str, str]]:
     from draftline.drafter.ttt import est_accept_len
 
@@ -51,10 +60,11 @@ def report_rows(summary: dict[str, dict], model_name: str, served_steps: int) ->
     promote = out.get("promote")
     if promote:
         rows.append(("champion", f"v{promote.get('version')}" + ("" if promote.get("promoted") else " (not promoted)")))
-    serve = out.get("serve")
+    serve = summary.get("serve")
     if serve:
-        rows.append(("served URL", f"{serve.get('url')}/v1/chat/completions (version {serve.get('version')})"))
-        rows.append(("served completion", repr(serve.get("completion"))[:120]))
+        if serve["status"] == "ran":
+            rows.append(("served completion", repr(serve["outputs"].get("completion"))[:120]))
+        rows.append(("serving", serving_line(serve["serving"])))
     rows.append(("stages", ", ".join(f"{n}: {s['status']} {s['seconds']:.0f}s" for n, s in summary.items())))
     return rows
 

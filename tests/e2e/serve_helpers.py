@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_serving(cfg) -> str:

@@ -3,8 +3,11 @@
 First run: `ray job submit --working-dir . -- python jobs/pipeline.py --config configs/tiny-cpu.yaml` against a Ray
 cluster this test starts with `ray start --head` (token auth on, as on a real cluster: `ray start` listens on every
 interface), with sqlite MLflow, DeepSpeed training on 2 Ray Train workers, the gate, promotion and a served chat
-completion. The Serve app must outlive the job. Second run: `draftline run` (its own local Ray) on the same data
-dir, which must skip every stage. Thresholds are the issues' (val acc_0 >= 0.6, est accept length >= 2.0).
+completion. The Serve app must outlive the job, and the report's serving line must match a real request. Reruns on
+the same data dir (issue 19: a record of having served says nothing about now): the same job on the same live
+cluster skips every stage, serve included; `draftline run` with its own local Ray fails clearly while that cluster
+holds serve.port; once the cluster is stopped, it serves again instead of skipping, and reports that its local Ray
+(and the endpoint) ends with the run. Thresholds are the issues' (val acc_0 >= 0.6, est accept length >= 2.0).
 
 The embedded target is the tests' size (conftest.TEST_OVERRIDES: 8 layers, hidden 96, 150 LM steps), built from
 scratch inside the job like the default one; the default size (hidden 160, 400 LM steps) is what `make demo` runs,
@@ -18,6 +21,7 @@ length, losslessness and the gate's decision are asserted.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -30,9 +34,7 @@ import httpx
 import pytest
 
 from draftline.utils import read_json
-from conftest import REPO, TEST_OVERRIDES
-
-from serve_helpers import free_port
+from conftest import REPO, TEST_OVERRIDES, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -78,16 +80,22 @@ def submit_cluster():
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard_port}"
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
     try:
         _wait_dashboard(url, {"Authorization": f"Bearer {token}"}, proc, log_path)
-        yield {"url": url, "env": env}
+        session = os.path.basename(os.path.realpath(os.path.join(temp_dir, "session_latest")))
+        yield {"url": url, "env": env, "gcs_port": ports["--port"], "session": session, "stop": stop}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -110,9 +118,37 @@ def test_job_submit_without_the_token_is_refused(submit_cluster):
     assert "AuthenticationError" in refused.stdout + refused.stderr
 
 
-def test_tiny_pipeline_as_a_ray_job_then_everything_skips(submit_cluster, tmp_path):
+def _report_serving(root: str) -> str:
+    rows = [line for line in open(os.path.join(root, "report.md")) if line.startswith("| serving | ")]
+    assert len(rows) == 1, rows
+    return rows[0].strip()
+
+
+def _assert_report_matches_endpoint(root: str, cluster: dict) -> str:
+    """The report's serving line against a real request: same URL, model and version, and the cluster's address."""
+    line = _report_serving(root)
+    found = re.match(r"\| serving \| yes: (\S+)/v1 serves (\S+) version (\S+) from Ray cluster (\S+),", line)
+    assert found, line
+    url, model, version, ray_address = found.groups()
+    assert ray_address.endswith(f":{cluster['gcs_port']}"), line
+    models = httpx.get(f"{url}/v1/models", timeout=30)
+    assert models.status_code == 200, models.text
+    answered = models.json()["data"][0]["draftline"]
+    assert (answered["registered_model"], answered["model_version"]) == (model, version), (line, answered)
+    return version
+
+
+def _refused(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_tiny_pipeline_as_a_ray_job_then_reruns(submit_cluster, tmp_path):
     data_dir = os.environ.get("DRAFTLINE_E2E_DATA_DIR", str(tmp_path / "data"))
-    # The same port both times: serve.port is part of the serve stage's inputs, so a new port would rerun it.
+    # The same port every time: serve.port is part of the serve stage's inputs, so a new port would rerun it.
     port = free_port()
     first = _submit(submit_cluster, "jobs/pipeline.py", *_pipeline_args(data_dir, port))
     assert first.returncode == 0, first.stdout[-6000:] + first.stderr[-3000:]
@@ -138,27 +174,56 @@ def test_tiny_pipeline_as_a_ray_job_then_everything_skips(submit_cluster, tmp_pa
 
     served = summary["serve"]["outputs"]
     assert served["version"] == str(gate["version"]) and served["completion"].strip()
+    serving = summary["serve"]["serving"]
+    assert serving["serving"] and serving["ray_session"] == submit_cluster["session"], serving
 
-    # The job has ended; the Serve app it deployed keeps serving the champion from the cluster.
-    models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)
-    assert models.status_code == 200, models.text
-    assert models.json()["data"][0]["draftline"]["model_version"] == str(gate["version"])
+    # The job has ended; the Serve app it deployed keeps serving the champion from the cluster, as the report says.
+    assert _assert_report_matches_endpoint(root, submit_cluster) == str(gate["version"])
     chat = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-        "model": models.json()["data"][0]["id"], "max_tokens": 8,
+        "model": serving["registered_model"], "max_tokens": 8,
         "messages": [{"role": "user", "content": "Return the length of a list."}]})  # fmt: skip
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["content"].strip()
 
     report = open(os.path.join(root, "report.md")).read()
-    assert "gate verdict | passed" in report and "served URL" in report
+    assert "gate verdict | passed" in report
     for stage in summary:
         assert os.path.getsize(os.path.join(root, "logs", f"{stage}.log")) > 0
 
-    # Second run: the plain CLI with its own local Ray, on the same data dir. Every stage is skipped.
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
-    second = subprocess.run([sys.executable, "-m", "draftline.cli", "run", *_pipeline_args(data_dir, port)],
-                            cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-                            timeout=600)  # fmt: skip
-    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    # Second run: the same job on the same live cluster. Every stage is skipped, serve too: its endpoint answers.
+    second = _submit(submit_cluster, "jobs/pipeline.py", *_pipeline_args(data_dir, port), timeout=600)
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-3000:]
     rerun = read_json(os.path.join(root, "summary.json"))
     assert {name: s["status"] for name, s in rerun.items()} == {name: "skipped" for name in summary}
+    assert _assert_report_matches_endpoint(root, submit_cluster) == str(gate["version"])
+
+    # Third run: `draftline run` with its own local Ray while that cluster still holds the port: a clear error.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+
+    def run_locally() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "draftline.cli", "run", *_pipeline_args(data_dir, port)],
+                              cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+
+    clash = run_locally()
+    assert clash.returncode != 0
+    assert f"serve.port {port} on 127.0.0.1 is already taken by a draftline endpoint serving" in clash.stderr, \
+        clash.stdout[-3000:] + clash.stderr[-3000:]
+
+    # The cluster goes away, as the local Ray of `make demo` does when it exits: nothing answers any more.
+    submit_cluster["stop"]()
+    assert _refused(port)
+    # Fourth run, again with its own local Ray: serve runs again instead of skipping. That Ray stops when the
+    # run ends, and the report says so, with the command that keeps an endpoint up.
+    fourth = run_locally()
+    assert fourth.returncode == 0, fourth.stdout[-4000:] + fourth.stderr[-4000:]
+    last = read_json(os.path.join(root, "summary.json"))
+    assert {name: s["status"] for name, s in last.items()} == {**{name: "skipped" for name in summary}, "serve": "ran"}
+    assert last["serve"]["outputs"]["version"] == str(gate["version"])
+    serving = last["serve"]["serving"]
+    assert not serving["serving"], serving
+    assert serving["start_command"].startswith("draftline serve --config configs/tiny-cpu.yaml"), serving
+    assert _report_serving(root).startswith("| serving | no: the local Ray cluster this run started stops"), \
+        _report_serving(root)
+    assert "endpoint: no: " in fourth.stdout
+    assert _refused(port)

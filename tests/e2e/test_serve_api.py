@@ -13,9 +13,10 @@ import time
 import httpx
 import pytest
 
+from conftest import free_port
 from draftline.tracking import GATE_TAG
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
-from serve_helpers import free_port, start_serving, stop_serving
+from serve_helpers import start_serving, stop_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

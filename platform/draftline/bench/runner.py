@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
-from draftline.engines.base import Engine, SamplingParams, SpecStats
+from draftline.engines.base import TARGET_ONLY, Engine, SamplingParams, SpecStats
 
 from draftline.bench.prompts import BenchPrompt
 
-BASELINE = "target-only"
+BASELINE = TARGET_ONLY  # the label of the bench row every speedup is relative to
 
 
 @dataclass

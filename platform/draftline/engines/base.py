@@ -50,10 +50,14 @@ class GenerationChunk:
     stats: Optional[SpecStats] = None  # cumulative for the request; set at least on the final chunk
 
 
+# The model_version of an engine without a drafter (the target alone): served, benchmarked and reported as such.
+TARGET_ONLY = "target-only"
+
+
 @runtime_checkable
 class Engine(Protocol):
     name: str
-    model_version: str  # e.g. registry version of the drafter, or "target-only"
+    model_version: str  # e.g. registry version of the drafter, or TARGET_ONLY
 
     async def start(self) -> None: ...
 

@@ -41,9 +41,7 @@ from typing import AsyncIterator, Optional
 import torch
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
-from draftline.engines.base import GenerationChunk, SamplingParams, SpecStats
-
-TARGET_ONLY = "target-only"
+from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
 
 
 # ---------------------------------------------------------------------------------------------- probabilities

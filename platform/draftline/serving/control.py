@@ -261,14 +261,17 @@ def serving_now(cfg: DraftlineConfig) -> Optional[ServedModel]:
     return ServedModel.model_validate(state["user_config"])
 
 
+def api_headers(cfg: DraftlineConfig) -> dict[str, str]:
+    """HTTP headers for this config's endpoint: the bearer token from serve.auth_token_env, when set."""
+    token = os.environ.get(cfg.serve.auth_token_env)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def smoke_chat_completion(cfg: DraftlineConfig, url: str, prompt: str = "What does `def join(a, *p)` in posixpath do?") -> dict:
     """One real chat completion over HTTP (the pipeline's last check); returns the reply and the version that served it."""
     import httpx
 
-    headers = {}
-    token = os.environ.get(cfg.serve.auth_token_env)
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    headers = api_headers(cfg)
     body = {"model": cfg.registered_model_name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     if response.status_code != 200:

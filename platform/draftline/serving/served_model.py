@@ -8,10 +8,9 @@ from typing import Optional
 from pydantic import BaseModel
 
 from draftline.config import DraftlineConfig
+from draftline.engines.base import TARGET_ONLY
 
 logger = logging.getLogger("ray.serve")
-
-TARGET_ONLY = "target-only"
 
 
 class ServedModel(BaseModel):

@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
-from draftline.engines.base import GenerationChunk, SamplingParams, SpecStats
+from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
 
 logger = logging.getLogger("draftline.sglang")
 
-TARGET_ONLY = "target-only"
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 STOP_GRACE_S = 15.0
 

@@ -32,6 +32,7 @@ def original_corpus(cfg, path: Path) -> Path:
     from draftline.target.corpus import stdlib_doc_pairs
     from draftline.utils import stable_fraction
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     pairs = stdlib_doc_pairs(cfg.target.embedded.corpus_max_bytes)
     chosen = sorted(pairs, key=lambda p: stable_fraction("conv:" + p.key))[: cfg.target.embedded.num_conversations]
     path.write_text("".join(

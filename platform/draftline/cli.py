@@ -11,6 +11,7 @@ from draftline.config import ConfigError, DraftlineConfig, check_data_dir, load_
 # Modules with a `register(subparsers)` function. Imported lazily per command so `--help` stays fast.
 COMMAND_MODULES = {
     "bootstrap-target": "draftline.target.bootstrap",
+    "regenerate": "draftline.regenerate.run",
     "prepare": "draftline.data.prepare",
     "extract": "draftline.extract.cli",
     "train": "draftline.train.cli",

@@ -1,6 +1,6 @@
 """`draftline run`: the whole platform as one job.
 
-bootstrap (embedded only) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
+bootstrap (embedded only) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
 
 Each stage records what it was run on (a hash of its config sections and its upstream outputs) and what it produced
 in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
@@ -57,6 +57,14 @@ def _target_dir(ctx: Context) -> Path:
     if "bootstrap" in ctx.outputs:
         return Path(ctx.outputs["bootstrap"]["target_dir"])
     return resolve_target_dir(ctx.cfg)
+
+
+def _stage_regenerate(ctx: Context) -> dict:
+    from draftline.regenerate.run import regenerate, summary_text
+
+    result = regenerate(ctx.cfg, _target_dir(ctx))
+    print(summary_text(result))
+    return result.to_record()
 
 
 def _stage_prepare(ctx: Context) -> dict:
@@ -134,7 +142,9 @@ def _serve_still_running(ctx: Context, recorded: dict) -> Optional[str]:
 STAGES: tuple[Stage, ...] = (
     Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind == "embedded",
           output_paths=("target_dir",)),
-    Stage("prepare", _stage_prepare, ("data",), ("bootstrap",), output_paths=("dataset_dir",)),
+    Stage("regenerate", _stage_regenerate, ("regenerate", "data", "engine", "seed"), ("bootstrap",),
+          applies=lambda cfg: cfg.regenerate.enabled, output_paths=("conversations",)),
+    Stage("prepare", _stage_prepare, ("data",), ("bootstrap", "regenerate"), output_paths=("dataset_dir",)),
     Stage("extract", _stage_extract, ("extract", "target"), ("prepare",), output_paths=("hidden_dir",)),
     Stage("train", _stage_train, ("train", "tracking"), ("extract",), output_paths=("export_dir",)),
     Stage("gate", _stage_gate, ("gate", "bench", "engine"), ("train",)),

@@ -16,6 +16,28 @@ from draftline.config import DraftlineConfig
 from draftline.utils import atomic_write_json, stable_hash
 
 
+def ttt_loss_on_samples(model, drafter, batch: list[dict], aux_layer_ids: list[int], ttt_steps: int):
+    """The TTT objective on prepared samples (right-padded), target signals computed on the fly -> (loss, metrics)."""
+    from draftline.drafter.ttt import target_signals, ttt_loss
+    from draftline.target.capture import capture_aux_hidden
+
+    length = max(len(s["input_ids"]) for s in batch)
+    input_ids = torch.zeros(len(batch), length, dtype=torch.long)
+    attention_mask = torch.zeros(len(batch), length, dtype=torch.long)
+    loss_mask = torch.zeros(len(batch), length, dtype=torch.long)
+    for row, sample in enumerate(batch):
+        n = len(sample["input_ids"])
+        input_ids[row, :n] = torch.tensor(sample["input_ids"])
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(sample["loss_mask"])
+    with torch.no_grad():
+        aux_hidden, final_hidden = capture_aux_hidden(model, input_ids, attention_mask, aux_layer_ids)
+        logits_draft, target_ids = target_signals(model.lm_head(final_hidden), drafter.t2d)
+        input_embeds = model.get_input_embeddings()(input_ids)
+    return ttt_loss(drafter, input_embeds, aux_hidden, logits_draft, loss_mask,
+                    target_ids=target_ids, attention_mask=attention_mask, steps=ttt_steps)
+
+
 def quick_drafter(
     cfg: DraftlineConfig,
     target_dir: str | Path,
@@ -30,8 +52,6 @@ def quick_drafter(
     from draftline.data.prepare import load_split, load_vocab
     from draftline.drafter.export import META_FILE, export_drafter
     from draftline.drafter.model import DrafterConfig, Eagle3Drafter
-    from draftline.drafter.ttt import target_signals, ttt_loss
-    from draftline.target.capture import capture_aux_hidden
     from draftline.target.load import load_target, resolve_aux_layer_ids
 
     target = load_target(cfg, target_dir=target_dir)
@@ -53,23 +73,7 @@ def quick_drafter(
     metrics: dict[str, float] = {}
     for step in range(steps):
         batch = [samples[i] for i in torch.randint(len(samples), (batch_size,)).tolist()]
-        length = max(len(s["input_ids"]) for s in batch)
-        input_ids = torch.zeros(batch_size, length, dtype=torch.long)
-        attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
-        loss_mask = torch.zeros(batch_size, length, dtype=torch.long)
-        for row, sample in enumerate(batch):
-            n = len(sample["input_ids"])
-            input_ids[row, :n] = torch.tensor(sample["input_ids"])
-            attention_mask[row, :n] = 1
-            loss_mask[row, :n] = torch.tensor(sample["loss_mask"])
-        with torch.no_grad():
-            aux_hidden, final_hidden = capture_aux_hidden(model, input_ids, attention_mask, aux_layer_ids)
-            logits_draft, target_ids = target_signals(model.lm_head(final_hidden), drafter.t2d)
-            input_embeds = model.get_input_embeddings()(input_ids)
-        loss, metrics = ttt_loss(
-            drafter, input_embeds, aux_hidden, logits_draft, loss_mask,
-            target_ids=target_ids, attention_mask=attention_mask, steps=ttt_steps,
-        )
+        loss, metrics = ttt_loss_on_samples(model, drafter, batch, aux_layer_ids, ttt_steps)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -1,4 +1,6 @@
-"""Reading conversations: jsonl or parquet, OpenAI `messages` or ShareGPT `conversations` (from/value).
+"""Reading conversations: jsonl or parquet, OpenAI `messages`, ShareGPT `conversations` (from/value) or
+UltraChat `data` (a list of strings, user and assistant alternating, user first).
+An assistant turn's `reasoning_content` (a reasoning target's thinking) is kept when it is a string.
 
 Every problem becomes a `BadInput` naming the file, the line (1-based; parquet: row + 1) and what to do;
 nothing is silently dropped: the caller counts every one in the prepare report.
@@ -87,16 +89,25 @@ def _records(path: Path) -> Iterator[tuple[int, object]]:
                 yield line_no, BadRecord("nested too deeply to parse; a conversation is a list of turns, not a deep tree")
 
 
+def _ultrachat_turns(record: dict) -> object:
+    data = record.get("data")
+    if not isinstance(data, list):
+        return data
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(data)]
+
+
 def _normalize(record: dict, fmt: str, where: tuple[str, int]) -> list[dict[str, str]] | BadInput:
     file, line = where
     if fmt == "auto":
-        fmt = "openai" if "messages" in record else "sharegpt" if "conversations" in record else ""
-    if fmt == "openai":
+        fmt = next((f for f, key in (("openai", "messages"), ("sharegpt", "conversations"), ("ultrachat", "data")) if key in record), "")
+    if fmt == "ultrachat":
+        turns, role_key, content_key, role_map = _ultrachat_turns(record), "role", "content", {"user": "user", "assistant": "assistant"}
+    elif fmt == "openai":
         turns, role_key, content_key, role_map = record.get("messages"), "role", "content", {r: r for r in ROLES}
     elif fmt == "sharegpt":
         turns, role_key, content_key, role_map = record.get("conversations"), "from", "value", SHAREGPT_ROLES
     else:
-        return BadInput(file, line, "bad_field", "no 'messages' (OpenAI) or 'conversations' (ShareGPT) field; add one of them")
+        return BadInput(file, line, "bad_field", "no 'messages' (OpenAI), 'conversations' (ShareGPT) or 'data' (UltraChat) field; add one of them")
     if not isinstance(turns, list) or not turns:
         return BadInput(file, line, "bad_field", f"field for {fmt} format must be a non-empty list of turns")
     messages = []
@@ -110,13 +121,16 @@ def _normalize(record: dict, fmt: str, where: tuple[str, int]) -> list[dict[str,
         content = turn.get(content_key)
         if not isinstance(content, str):
             return BadInput(file, line, "bad_field", f"turn {i} {content_key} must be a string, got {type(content).__name__}")
-        messages.append({"role": role_map[role], "content": content})
+        message = {"role": role_map[role], "content": content}
+        if role_map[role] == "assistant" and isinstance(turn.get("reasoning_content"), str):
+            message["reasoning_content"] = turn["reasoning_content"]
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         return BadInput(file, line, "no_assistant", "conversation has no assistant turn, so there is nothing to learn; add a reply or remove it")
     return messages
 
 
-def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegpt"] = "auto") -> tuple[list[Conversation], list[BadInput]]:
+def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegpt", "ultrachat"] = "auto") -> tuple[list[Conversation], list[BadInput]]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"conversations file {path} does not exist (data.conversations)")
@@ -140,3 +154,17 @@ def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegp
         conv_id = str(record.get("id") or f"{path.name}:{line}")
         good.append(Conversation(id=conv_id, messages=messages, file=str(path), line=line))
     return good, bad
+
+
+def drop_duplicate_ids(conversations: list[Conversation]) -> tuple[list[Conversation], list[BadInput]]:
+    """Ids must be unique (splits and regenerated shards are keyed by id): later repeats become bad input."""
+    kept: list[Conversation] = []
+    problems: list[BadInput] = []
+    seen: set[str] = set()
+    for conv in conversations:
+        if conv.id in seen:
+            problems.append(BadInput(conv.file, conv.line, "bad_field", f"duplicate id {conv.id!r}; ids must be unique"))
+            continue
+        seen.add(conv.id)
+        kept.append(conv)
+    return kept, problems

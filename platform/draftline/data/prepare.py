@@ -12,9 +12,10 @@ import shutil
 from pathlib import Path
 
 from draftline.config import DraftlineConfig, write_resolved
-from draftline.data.conversations import BadInput, DataError, read_conversations
+from draftline.data.conversations import BadInput, DataError, drop_duplicate_ids, read_conversations
 from draftline.data.masks import build_masked_sample, end_of_turn_text
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
+from draftline.regenerate.run import check_regenerated_for_target
 from draftline.utils import atomic_write_json, read_json, sha256_file, split_of, stable_hash
 
 SPLITS = ("train", "val", "bench")
@@ -25,6 +26,15 @@ def _log(msg: str) -> None:
 
 
 def conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
+    """What prepare reads: the regenerated conversations with regenerate.enabled, else the source."""
+    if cfg.regenerate.enabled:
+        from draftline.regenerate.run import regenerated_conversations
+
+        return regenerated_conversations(cfg, target_dir)
+    return source_conversations_path(cfg, target_dir)
+
+
+def source_conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
     if cfg.data.conversations:
         return Path(cfg.data.conversations).expanduser()
     own = target_dir / "conversations.jsonl"
@@ -52,6 +62,7 @@ def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
 
     target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
     conv_path = conversations_path(cfg, target_dir)
+    check_regenerated_for_target(conv_path, target_dir)
     out_dir = cfg.data_path("datasets", dataset_hash(cfg, target_dir, conv_path))
     if (out_dir / "manifest.json").exists():
         _log(f"cached: {out_dir}")
@@ -64,12 +75,9 @@ def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
     eot = end_of_turn_text(tokenizer)
     splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
     truncated = 0
-    seen_ids: set[str] = set()
+    conversations, duplicates = drop_duplicate_ids(conversations)
+    problems += duplicates
     for conv in conversations:
-        if conv.id in seen_ids:
-            problems.append(BadInput(conv.file, conv.line, "bad_field", f"duplicate id {conv.id!r}; ids must be unique"))
-            continue
-        seen_ids.add(conv.id)
         sample = build_masked_sample(tokenizer, conv.messages, eot)
         if len(sample.input_ids) > cfg.data.max_seq_len:
             detail = f"{len(sample.input_ids)} tokens > data.max_seq_len={cfg.data.max_seq_len}"

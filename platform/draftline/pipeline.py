@@ -109,13 +109,14 @@ def _stage_gate(ctx: Context) -> dict:
 
 
 def _stage_promote(ctx: Context) -> dict:
-    from draftline.registry import promote
+    # One transaction over registry and serving: a live app for this data dir rolls before the alias moves.
+    from draftline.release import promote_and_roll
 
     gate = ctx.outputs["gate"]
     if not gate["passed"]:
         print(f"[promote] version {gate['version']} failed the gate: {'; '.join(gate['reasons'])}; champion unchanged")
         return {"promoted": False, "version": gate["version"]}
-    promote(ctx.cfg, gate["version"])
+    print(f"[promote] {promote_and_roll(ctx.cfg, gate['version'])}")
     return {"promoted": True, "version": gate["version"]}
 
 

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from draftline.train.data import (
     Batch,
+    TargetHead,
     collate,
     epoch_order,
     load_target_head,
@@ -113,3 +114,20 @@ def test_target_head_tied_and_missing(tmp_path):
     save_file({"model.embed_tokens.weight": torch.randn(6, 4)}, str(broken_dir / "model.safetensors"))
     with pytest.raises(KeyError, match="no lm_head"):
         load_target_head(broken_dir)
+
+
+def test_draft_signals_equal_the_full_vocab_logits_in_blocks():
+    vocab, hidden = 37, 8
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, hidden, generator=generator)
+    weight[4] = weight[30] = 3.0  # a tie across two blocks: the lower id wins, as with argmax over the full vocab
+    head = TargetHead(weight, weight)
+    final_hidden = torch.randn(2, 5, hidden, generator=generator)
+    final_hidden[0, 0] = 1.0
+    t2d = torch.rand(vocab, generator=generator) < 0.5
+    full = head.logits(final_hidden)
+    for vocab_chunk in (5, 16, 64):
+        draft_logits, target_ids = head.draft_signals(final_hidden, t2d, vocab_chunk=vocab_chunk)
+        torch.testing.assert_close(draft_logits, full[..., t2d], atol=1e-5, rtol=0)
+        assert torch.equal(target_ids, full.argmax(-1))
+    assert target_ids[0, 0] == 4

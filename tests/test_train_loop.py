@@ -138,3 +138,37 @@ def test_flatten_config_for_mlflow_params():
     assert flat["train.lr"] == "0.001"
     assert flat["engine.speculative.num_steps"] == "3"
     assert all(isinstance(v, str) for v in flat.values())
+
+
+def test_activation_checkpointing_trains_the_same_under_deepspeed(tmp_path, monkeypatch):
+    """Per-step recomputation inside DeepSpeed's engine (ZeRO-1, the default stage): the same losses over a few
+    optimizer steps as without it. One process, gloo."""
+    import deepspeed
+    import torch.distributed as dist
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'process-group'}", rank=0, world_size=1)
+    train_cfg = load_config(None, ["train.micro_batch_size=2", "train.zero_stage=1"]).train
+    d2t, t2d = _vocab()
+    head = TargetHead(torch.randn(TARGET_VOCAB, HIDDEN), torch.randn(TARGET_VOCAB, HIDDEN))
+    batch = collate(_samples())
+    losses = {}
+    try:
+        for checkpointed in (False, True):
+            torch.manual_seed(0)
+            drafter = build_drafter({"drafter_config": _drafter_config().to_dict()}, head, d2t, t2d)
+            objective = TTTObjective(drafter, steps=3, decay=0.8, loss="soft", checkpointed=checkpointed)
+            optimizer = torch.optim.AdamW(objective.parameters(), lr=1e-2)
+            engine, _, _, _ = deepspeed.initialize(
+                model=objective, optimizer=optimizer, config=deepspeed_config(train_cfg), dist_init_required=False
+            )
+            losses[checkpointed] = []
+            for _ in range(3):
+                loss, _ = engine(*objective_inputs(batch, head, t2d, torch.float32))
+                engine.backward(loss)
+                engine.step()
+                losses[checkpointed].append(float(loss))
+    finally:
+        dist.destroy_process_group()
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert losses[True][-1] < losses[True][0]

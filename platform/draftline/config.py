@@ -141,6 +141,11 @@ class TrainConfig(Strict):
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length T")
     ttt_decay: float = Field(0.8, gt=0, le=1, description="loss weight of step k is decay**k")
     loss: Literal["soft", "hard"] = "soft"
+    activation_checkpointing: bool = Field(
+        True,
+        description="recompute each TTT step in backward instead of keeping its activations: peak memory stops "
+        "growing with ttt_steps for about one extra forward (same loss and gradients)",
+    )
     val_every: int = Field(50, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     max_failures: int = Field(3, ge=0)

@@ -59,6 +59,12 @@ def test_two_workers_extract_train_and_val_then_rerun_resumes(ray_cluster, tiny_
             torch.testing.assert_close(stored["aux_hidden"], aux[0], rtol=0, atol=1e-5)
             torch.testing.assert_close(stored["final_hidden"], final[0], rtol=0, atol=1e-5)
     assert result.splits["train"].manifest["last_run"]["shards_written"] == len(shards_of(root / "train"))
+    # The estimate printed before extraction: the shard bytes less their headers (under 2 KiB a shard here).
+    estimate = json.loads((root / "storage_estimate.json").read_text())
+    for split in ("train", "val"):
+        manifest = result.splits[split].manifest
+        headers = manifest["total_bytes"] - estimate["splits"][split]["estimated_bytes"]
+        assert 0 < headers < 2048 * len(manifest["shards"])
 
     # A rerun with nothing missing is a no-op.
     before = {split: _mtimes(root / split) for split in ("train", "val")}

@@ -23,6 +23,10 @@ Loss: sum_k decay**k * loss_k, loss_k averaged over the counted positions of ste
         lies outside the draft vocab have no label and are left out of the hard loss.
 acc_k: fraction of counted positions where the draft argmax (mapped to a target id) equals the target's argmax
        over the FULL target vocab. A target argmax outside the draft vocab is a miss: SGLang would reject it.
+
+Memory: attention runs in blocks of query positions (scores for one block, over the step-0 keys it can see) and
+the draft logits in blocks of positions; with `checkpointed` each step keeps only its inputs for backward. Neither
+changes the maths: tests/test_drafter_ttt.py compares loss and gradients with a materialised reference.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
-from draftline.drafter.model import Eagle3Drafter, expand_kv_heads
+from draftline.drafter.model import Eagle3Drafter
+
+# Positions per block of attention queries and of draft logits: scores [B, heads, CHUNK, <=L] and logits
+# [B, CHUNK, Vd] instead of [B, heads, L, L] and [B, L, Vd] per step (512 MiB and 250 MiB in fp32 at 32 heads,
+# L 2048, draft vocab 32000; benchmarks/train_memory.py measures the difference).
+CHUNK_TOKENS = 512
 
 
 def est_accept_len(acc_list: Sequence[float]) -> float:
@@ -58,39 +67,116 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """q [B,h,L,D]; keys/values[j] [B,kv,L,D] from step j. Causal over step 0, same-position over steps 1..k."""
-    num_heads, length = q.shape[1], q.shape[2]
-    scale = q.shape[-1] ** -0.5
-    q32 = q.float()
-    k0 = expand_kv_heads(keys[0], num_heads).float()
-    v0 = expand_kv_heads(values[0], num_heads).float()
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    prefix_scores = (q32 @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
-    chain_keys = [expand_kv_heads(k, num_heads).float() for k in keys[1:]]
-    chain_scores = [(q32 * k).sum(-1, keepdim=True) * scale for k in chain_keys]  # each [B,h,L,1]
+def ttt_attention(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], chunk_tokens: int = CHUNK_TOKENS,
+    checkpointed: bool = False,
+) -> torch.Tensor:
+    """q [B,h,L,D]; keys/values[j] [B,kv,L,D] from step j. Causal over step 0, same-position over steps 1..k.
+
+    Computed in blocks of `chunk_tokens` query positions, so scores exist for one block at a time
+    ([B, h, chunk, <=L], never [B, h, L, L]); a block reads only the step-0 keys up to its last position.
+    `checkpointed`: a block's scores are recomputed in backward instead of kept (one block alive at a time).
+    """
+    batch, num_heads, length, head_dim = q.shape
+    kv_heads = keys[0].shape[1]
+    # GQA without copying keys: query head i reads kv head i // group, so group the query heads under their kv head.
+    grouped_q = q.float().view(batch, kv_heads, num_heads // kv_heads, length, head_dim)
+    step0_keys, step0_values = keys[0].float(), values[0].float()
+    chain_keys = [k.float().unsqueeze(2) for k in keys[1:]]  # [B, kv, 1, L, D]
+    chain_values = [v.float().unsqueeze(2) for v in values[1:]]
+    blocks = []
+    for start in range(0, length, chunk_tokens):
+        end = min(start + chunk_tokens, length)
+        blocks.append(
+            maybe_checkpoint(
+                checkpointed,
+                _attention_block,
+                grouped_q[:, :, :, start:end],
+                step0_keys[:, :, :end],
+                step0_values[:, :, :end],
+                [k[:, :, :, start:end] for k in chain_keys],
+                [v[:, :, :, start:end] for v in chain_values],
+                start,
+            )
+        )
+    return torch.cat(blocks, dim=3).reshape(batch, num_heads, length, head_dim).to(q.dtype)
+
+
+def _attention_block(q, step0_keys, step0_values, chain_keys, chain_values, start: int) -> torch.Tensor:
+    """q [B,kv,g,C,D] for positions start..start+C; step-0 keys/values [B,kv,S,D] for positions 0..S-1 (S = start+C);
+    chain keys/values [B,kv,1,C,D]. -> [B,kv,g,C,D]."""
+    batch, kv_heads, group, block, head_dim = q.shape
+    scale = head_dim**-0.5
+    prefix_scores = (q.reshape(batch, kv_heads, group * block, head_dim) @ step0_keys.transpose(-1, -2) * scale)
+    prefix_scores = prefix_scores.view(batch, kv_heads, group, block, -1)
+    query_position = torch.arange(start, start + block, device=q.device)[:, None]
+    causal = torch.arange(step0_keys.shape[2], device=q.device)[None, :] <= query_position
+    prefix_scores = prefix_scores.masked_fill(~causal, float("-inf"))
+    chain_scores = [(q * k).sum(-1, keepdim=True) * scale for k in chain_keys]  # each [B,kv,g,C,1]
     probs = torch.cat([prefix_scores, *chain_scores], dim=-1).softmax(dim=-1)
-    out = probs[..., :length] @ v0
-    for j, v in enumerate(values[1:]):
-        out = out + probs[..., length + j : length + j + 1] * expand_kv_heads(v, num_heads).float()
-    return out.to(q.dtype)
+    prefix = step0_keys.shape[2]
+    out = probs[..., :prefix].reshape(batch, kv_heads, group * block, prefix) @ step0_values
+    out = out.view(batch, kv_heads, group, block, head_dim)
+    for j, v in enumerate(chain_values):
+        out = out + probs[..., prefix + j : prefix + j + 1] * v
+    return out
 
 
-def ttt_unroll(
-    drafter: Eagle3Drafter, input_embeds: torch.Tensor, aux_hidden: torch.Tensor, steps: int
-) -> Iterator[torch.Tensor]:
-    """Yield the draft logits [B, L, Vd] of steps 0..steps-1; position t of step k predicts token t+k+2."""
+def maybe_checkpoint(checkpointed: bool, function, *args):
+    """function(*args), recomputed in backward instead of keeping its intermediates when `checkpointed`."""
+    if checkpointed and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    return function(*args)
+
+
+def ttt_step(
+    drafter: Eagle3Drafter,
+    input_embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    step: int,
+    chunk_tokens: int = CHUNK_TOKENS,
+    checkpointed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One TTT step: (hidden_out [B,L,H], its key and value [B,kv,L,D]); keys/values of the earlier steps."""
     batch, length, _ = input_embeds.shape
-    position_ids = torch.arange(length, device=input_embeds.device).unsqueeze(0).expand(batch, length)
+    position_ids = torch.arange(length, device=input_embeds.device).unsqueeze(0).expand(batch, length) + step
     layer = drafter.midlayer
+    q, key, value = layer.project_qkv(shift_left(input_embeds, step + 1), hidden, position_ids)
+    attention = ttt_attention(q, [*keys, key], [*values, value], chunk_tokens, checkpointed)
+    return layer.finish(attention, residual=hidden), key, value
+
+
+def ttt_hidden_states(
+    drafter: Eagle3Drafter,
+    input_embeds: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    steps: int,
+    chunk_tokens: int = CHUNK_TOKENS,
+    checkpointed: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Yield hidden_out [B, L, H] of steps 0..steps-1. `checkpointed`: each step keeps only its inputs for backward
+    and is recomputed there, so activations of one step are alive at a time instead of all `steps`."""
     hidden = drafter.fuse_aux(aux_hidden)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for k in range(steps):
-        q, key, value = layer.project_qkv(shift_left(input_embeds, k + 1), hidden, position_ids + k)
+        hidden, key, value = maybe_checkpoint(
+            checkpointed, ttt_step, drafter, input_embeds, hidden, tuple(keys), tuple(values), k, chunk_tokens,
+            checkpointed,
+        )
         keys.append(key)
         values.append(value)
-        hidden = layer.finish(ttt_attention(q, keys, values), residual=hidden)
+        yield hidden
+
+
+def ttt_unroll(
+    drafter: Eagle3Drafter, input_embeds: torch.Tensor, aux_hidden: torch.Tensor, steps: int,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> Iterator[torch.Tensor]:
+    """Yield the draft logits [B, L, Vd] of steps 0..steps-1; position t of step k predicts token t+k+2."""
+    for hidden in ttt_hidden_states(drafter, input_embeds, aux_hidden, steps, chunk_tokens):
         yield drafter.logits(hidden)
 
 
@@ -127,48 +213,63 @@ def ttt_loss(
     steps: int = 7,
     decay: float = 0.8,
     loss: Literal["soft", "hard"] = "soft",
+    checkpointed: bool = False,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """-> (total_loss, metrics: loss_k, acc_k, count_k for k < steps, est_accept_len, vocab_coverage).
 
     Shapes: input_embeds [B,L,H], aux_hidden [B,L,n_aux*Ht], target_logits_draft [B,L,Vd] (see
     `target_signals`), target_ids [B,L] target argmax over the full vocab, loss_mask and attention_mask [B,L]
     (right padding; attention_mask None = no padding).
+
+    Memory: attention scores and draft logits exist for `chunk_tokens` positions at a time. `checkpointed`
+    recomputes each step (and each block of it) in backward instead of keeping its activations: the loss and the
+    gradients are the same, peak memory no longer grows with `steps`, compute grows by about one forward.
     """
     if loss not in ("soft", "hard"):
         raise ValueError(f"ttt_loss: loss must be 'soft' or 'hard', got {loss!r}")
     if steps < 1:
         raise ValueError(f"ttt_loss: steps must be >= 1, got {steps}")
+    if chunk_tokens < 1:
+        raise ValueError(f"ttt_loss: chunk_tokens must be >= 1, got {chunk_tokens}")
     _check_inputs(drafter, input_embeds, aux_hidden, target_logits_draft, target_ids, loss_mask, attention_mask)
     counted = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
+    length = input_embeds.shape[1]
 
-    t2d = drafter.t2d
-    draft_index_of_target = torch.cumsum(t2d.long(), 0) - 1  # valid only where t2d
     with torch.no_grad():
-        target_probs = target_logits_draft.float().softmax(dim=-1)
+        target_probs = target_logits_draft.float().softmax(dim=-1) if loss == "soft" else None
 
     total = input_embeds.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     accs = []
-    for k, draft_logits in enumerate(ttt_unroll(drafter, input_embeds, aux_hidden, steps)):
-        step_mask = shift_left(counted, k + 2)
-        step_target_ids = shift_left(target_ids, k + 1)
-        log_probs = draft_logits.float().log_softmax(dim=-1)
-
-        if loss == "soft":
-            per_position = -(shift_left(target_probs, k + 1) * log_probs).sum(-1)
-            loss_mask_k = step_mask
-        else:
-            in_draft_vocab = t2d[step_target_ids]
-            labels = draft_index_of_target[step_target_ids].clamp(min=0)
-            per_position = -log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            loss_mask_k = step_mask & in_draft_vocab
-        loss_k = (per_position * loss_mask_k).sum() / loss_mask_k.sum().clamp(min=1)
+    hidden_states = ttt_hidden_states(drafter, input_embeds, aux_hidden, steps, chunk_tokens, checkpointed)
+    for k, hidden_out in enumerate(hidden_states):
+        # Position t of step k predicts token t+k+2 against target[t+k+1]: positions t < L-k-1 have a label.
+        labelled = max(length - k - 1, 0)
+        step_mask = shift_left(counted, k + 2)[:, :labelled]
+        step_target_ids = shift_left(target_ids, k + 1)[:, :labelled]
+        step_target_probs = None if target_probs is None else target_probs[:, k + 1 :]
+        loss_sum = total.new_zeros(())
+        hits = torch.zeros((), dtype=torch.int64, device=input_embeds.device)
+        for start in range(0, labelled, chunk_tokens):
+            block = slice(start, min(start + chunk_tokens, labelled))
+            block_loss, block_hits = maybe_checkpoint(
+                checkpointed,
+                _step_loss_block,
+                drafter,
+                hidden_out[:, block],
+                None if step_target_probs is None else step_target_probs[:, block],
+                step_target_ids[:, block],
+                step_mask[:, block],
+            )
+            loss_sum = loss_sum + block_loss
+            hits = hits + block_hits
+        loss_count = step_mask.sum() if loss == "soft" else (step_mask & drafter.t2d[step_target_ids]).sum()
+        loss_k = loss_sum / loss_count.clamp(min=1)
         total = total + decay**k * loss_k
 
-        with torch.no_grad():
-            hits = (drafter.draft_to_target(log_probs.argmax(-1)) == step_target_ids) & step_mask
-            count = int(step_mask.sum())
-            acc = float(hits.sum()) / count if count else 0.0
+        count = int(step_mask.sum())
+        acc = int(hits) / count if count else 0.0
         accs.append(acc)
         metrics[f"loss_{k}"] = float(loss_k.detach())
         metrics[f"acc_{k}"] = acc
@@ -177,7 +278,26 @@ def ttt_loss(
     with torch.no_grad():
         first_mask = shift_left(counted, 2)
         first_ids = shift_left(target_ids, 1)
-        covered = int((t2d[first_ids] & first_mask).sum())
+        covered = int((drafter.t2d[first_ids] & first_mask).sum())
         metrics["vocab_coverage"] = covered / max(int(first_mask.sum()), 1)
     metrics["est_accept_len"] = est_accept_len(accs)
     return total, metrics
+
+
+def _step_loss_block(drafter, hidden_out, target_probs, step_target_ids, step_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (summed loss over the counted positions of the block, number of counted draft hits). Soft when
+    target_probs [B,C,Vd] is given, else hard against step_target_ids [B,C] mapped into the draft vocab."""
+    log_probs = drafter.logits(hidden_out).float().log_softmax(dim=-1)
+    if target_probs is not None:
+        per_position = -(target_probs * log_probs).sum(-1)
+        weight = step_mask
+    else:
+        t2d = drafter.t2d
+        draft_index_of_target = torch.cumsum(t2d.long(), 0) - 1  # valid only where t2d
+        labels = draft_index_of_target[step_target_ids].clamp(min=0)
+        per_position = -log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        weight = step_mask & t2d[step_target_ids]
+    with torch.no_grad():
+        # Hits count against the target's full-vocab argmax: a target id outside the draft vocab is a miss.
+        hits = ((drafter.draft_to_target(log_probs.argmax(-1)) == step_target_ids) & step_mask).sum()
+    return (per_position * weight).sum(), hits

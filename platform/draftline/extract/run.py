@@ -21,10 +21,12 @@ from draftline.extract.shards import (
     ShardError,
     ShardRecord,
     build_manifest,
+    estimated_split_bytes,
     num_shards,
     read_shard_record,
     shard_file_name,
     shard_sample_range,
+    stored_bytes_per_token,
     write_manifest,
 )
 from draftline.extract.storage import Storage, is_uri
@@ -335,6 +337,53 @@ def _finish_split(
     )
 
 
+def storage_estimate(cfg: DraftlineConfig, jobs: list[SplitJob], target: TargetInfo, aux_layer_ids: list[int]) -> dict:
+    """Bytes per token and shard bytes per split that extraction is about to write (see shards.estimated_split_bytes)."""
+    num_aux, hidden_size, dtype = len(aux_layer_ids), target.hidden_size, cfg.extract.dtype
+    splits = {
+        job.split: {
+            "samples": len(job.split_tokens),
+            "tokens": job.split_tokens.total_tokens,
+            "estimated_bytes": estimated_split_bytes(
+                len(job.split_tokens), job.split_tokens.total_tokens, job.total_shards, num_aux, hidden_size, dtype
+            ),
+        }
+        for job in jobs
+    }
+    return {
+        "bytes_per_token": stored_bytes_per_token(num_aux, hidden_size, dtype),
+        "layout": f"{num_aux} aux + 1 final hidden states x {hidden_size} x {dtype}, token id and loss mask",
+        "splits": splits,
+        "estimated_bytes": sum(s["estimated_bytes"] for s in splits.values()),
+    }
+
+
+def log_storage_estimate(
+    cfg: DraftlineConfig, jobs: list[SplitJob], target: TargetInfo, aux_layer_ids: list[int], root: Storage
+) -> dict:
+    """Print the estimate before any forward pass, keep it as <root>/storage_estimate.json, warn when the local disk
+    holds less (a full disk mid-extraction costs the run; what was written stays and a rerun resumes)."""
+    import shutil
+
+    estimate = storage_estimate(cfg, jobs, target, aux_layer_ids)
+    for split, numbers in estimate["splits"].items():
+        _log(f"{split}: estimated {numbers['estimated_bytes'] / 1e9:.3f} GB on disk")
+    _log(
+        f"stored per token: {estimate['bytes_per_token']} bytes ({estimate['layout']}); estimated "
+        f"{estimate['estimated_bytes'] / 1e9:.3f} GB for this extraction"
+    )
+    root.write_bytes("storage_estimate.json", (json.dumps(estimate, indent=2) + "\n").encode())
+    if not is_uri(root.location):
+        free_bytes = shutil.disk_usage(root.location).free
+        if free_bytes < estimate["estimated_bytes"]:
+            _log(
+                f"WARNING: {root.location} has {free_bytes / 1e9:.3f} GB free, less than the estimated "
+                f"{estimate['estimated_bytes'] / 1e9:.3f} GB: set extract.storage_uri to larger storage or "
+                "extract.dtype=bfloat16 (half the bytes)"
+            )
+    return estimate
+
+
 def extract_splits(
     cfg: DraftlineConfig,
     dataset_dir: Path,
@@ -382,6 +431,7 @@ def extract_splits(
             f"{job.split}: {len(job.split_tokens)} samples, {job.split_tokens.total_tokens} tokens -> "
             f"{job.total_shards} shards into {job.storage.location}"
         )
+    log_storage_estimate(cfg, jobs, target, aux_layer_ids, root)
     run_started_unix = time.time()
     started = time.perf_counter()
     with _ProgressWatcher(jobs, run_started_unix) as watcher:

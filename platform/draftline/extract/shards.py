@@ -151,6 +151,30 @@ def complete_shard_record(storage: Storage, shard_index: int, expected_samples: 
     return record
 
 
+TOKEN_ID_BYTES = 8  # input_ids, int64
+LOSS_MASK_BYTES = 1  # uint8
+PER_SAMPLE_BYTES = 16  # offsets and sample_index, int64 each
+
+
+def hidden_bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
+    """The hidden-state payload of one token: n_aux aux states and the final hidden state, H values each."""
+    return (num_aux + 1) * hidden_size * TORCH_DTYPES[dtype].itemsize
+
+
+def stored_bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
+    """What a shard holds per token: the hidden payload plus the token id and its loss-mask byte."""
+    return hidden_bytes_per_token(num_aux, hidden_size, dtype) + TOKEN_ID_BYTES + LOSS_MASK_BYTES
+
+
+def estimated_split_bytes(
+    num_samples: int, num_tokens: int, num_shards: int, num_aux: int, hidden_size: int, dtype: str
+) -> int:
+    """Shard bytes of a split before it is extracted (safetensors headers, a few hundred bytes a shard, left out;
+    each shard's offsets start with a 0)."""
+    per_token = stored_bytes_per_token(num_aux, hidden_size, dtype)
+    return num_tokens * per_token + num_samples * PER_SAMPLE_BYTES + num_shards * TOKEN_ID_BYTES
+
+
 def build_manifest(
     records: Sequence[ShardRecord],
     *,
@@ -192,7 +216,7 @@ def build_manifest(
         "total_bytes": total_bytes,
         "bytes_per_token": total_bytes / total_tokens if total_tokens else 0.0,
         # The hidden-state payload alone (n_aux + 1 vectors of H), without token ids, masks and headers.
-        "hidden_bytes_per_token": (len(aux_layer_ids) + 1) * hidden_size * TORCH_DTYPES[dtype].itemsize,
+        "hidden_bytes_per_token": hidden_bytes_per_token(len(aux_layer_ids), hidden_size, dtype),
     }
 
 

@@ -24,6 +24,7 @@ import torch
 
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+VOCAB_CHUNK = 16384  # target ids per block of target logits: [B*L, 16384] fp32 is 128 MiB at 2K tokens
 
 
 def epoch_order(shard_sizes: Sequence[int], epoch: int, seed: int) -> torch.Tensor:
@@ -134,6 +135,30 @@ class TargetHead:
     def logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """Full target logits [..., Vt] from the target's final (normed) hidden state, computed in fp32."""
         return final_hidden.float() @ self.lm_head_weight.float().t()
+
+    def draft_signals(
+        self, final_hidden: torch.Tensor, t2d: torch.Tensor, vocab_chunk: int = VOCAB_CHUNK
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`target_signals(self.logits(final_hidden), t2d)` without the full-vocab logits: fp32 logits over the draft
+        vocab [..., Vd] and the full-vocab argmax [...], computed `vocab_chunk` target ids at a time (a [B, L, 128K]
+        fp32 tensor is 1 GiB per 2K tokens)."""
+        hidden32 = final_hidden.float()
+        t2d = t2d.bool()
+        draft_logits = hidden32.new_empty(*final_hidden.shape[:-1], int(t2d.sum()))
+        best = hidden32.new_full(final_hidden.shape[:-1], float("-inf"))
+        best_ids = torch.zeros(final_hidden.shape[:-1], dtype=torch.int64, device=final_hidden.device)
+        filled = 0
+        for start in range(0, self.vocab_size, vocab_chunk):
+            logits = hidden32 @ self.lm_head_weight[start : start + vocab_chunk].float().t()
+            chunk_best, chunk_ids = logits.max(dim=-1)
+            better = chunk_best > best  # strict: a tie keeps the lower id, as argmax over the full vocab does
+            best = torch.where(better, chunk_best, best)
+            best_ids = torch.where(better, chunk_ids + start, best_ids)
+            in_draft = t2d[start : start + vocab_chunk]
+            taken = int(in_draft.sum())
+            draft_logits[..., filled : filled + taken] = logits[..., in_draft]
+            filled += taken
+        return draft_logits, best_ids
 
 
 def _weight_files(target_dir: Path) -> dict[str, Path]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
-from draftline.drafter.ttt import est_accept_len, target_signals, ttt_loss
+from draftline.drafter.ttt import est_accept_len, ttt_loss
 from draftline.train.data import Batch, TargetHead, collate, sample_indices_for_step, val_indices_for_rank
 
 DEEPSPEED_TAG = "deepspeed"
@@ -50,10 +50,10 @@ def _log(msg: str) -> None:
 class TTTObjective(nn.Module):
     """The drafter plus its training-time-test loss, so DeepSpeed's engine forward is the whole objective."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, loss: str):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, loss: str, checkpointed: bool = True):
         super().__init__()
         self.drafter = drafter
-        self.steps, self.decay, self.loss = steps, decay, loss
+        self.steps, self.decay, self.loss, self.checkpointed = steps, decay, loss, checkpointed
 
     def forward(self, input_embeds, aux_hidden, target_logits_draft, loss_mask, target_ids, attention_mask):
         return ttt_loss(
@@ -67,6 +67,7 @@ class TTTObjective(nn.Module):
             steps=self.steps,
             decay=self.decay,
             loss=self.loss,
+            checkpointed=self.checkpointed,
         )
 
 
@@ -143,10 +144,10 @@ class StepMetrics:
 
 def objective_inputs(batch: Batch, head: TargetHead, t2d: torch.Tensor, dtype: torch.dtype) -> tuple:
     """Frozen-target inputs for the TTT objective: embeddings of the tokens, target logits over the draft vocab and
-    the target's argmax ids (from the full vocab)."""
+    the target's argmax ids (from the full vocab, never held whole)."""
     with torch.no_grad():
         input_embeds = head.embed(batch.input_ids).to(dtype)
-        target_logits_draft, target_ids = target_signals(head.logits(batch.final_hidden), t2d)
+        target_logits_draft, target_ids = head.draft_signals(batch.final_hidden, t2d)
     return (
         input_embeds,
         batch.aux_hidden,
@@ -329,7 +330,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     t2d_device = t2d.to(device)
 
     drafter = build_drafter(loop_config, head, d2t, t2d)
-    objective = TTTObjective(drafter, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.loss)
+    objective = TTTObjective(
+        drafter, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.loss, train_cfg.activation_checkpointing
+    )
     optimizer = torch.optim.AdamW(
         objective.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, betas=(0.9, 0.95)
     )

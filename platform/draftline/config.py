@@ -22,13 +22,17 @@ class Strict(BaseModel):
 
 
 class EmbeddedTargetConfig(Strict):
-    """The tiny real Llama that the embedded default builds for itself (no hub download)."""
+    """The tiny real target the embedded default (and every shape twin) builds for itself (no hub download)."""
 
+    family: str = Field(
+        "llama", description="model family (draftline.target.families): llama, llama3.1, qwen3, qwen3-moe, deepseek-v3"
+    )
     num_layers: int = Field(8, ge=7, description="decoder layers; >= 7 so SGLang's default aux layers [2, n//2, n-3] are distinct")
     hidden_size: int = Field(160, ge=32)
     intermediate_size: int = Field(432, ge=32)
     num_attention_heads: int = Field(4, ge=1)
     num_key_value_heads: int = Field(2, ge=1)
+    head_dim: Optional[int] = Field(None, ge=8, description="attention head width; None = hidden_size // num_attention_heads")
     vocab_size: int = Field(2048, ge=300, description="byte-level BPE vocabulary incl. special tokens")
     max_position_embeddings: int = Field(512, ge=64)
     corpus_max_bytes: int = Field(6_000_000, ge=10_000, description="stdlib text used for tokenizer + LM training")
@@ -38,6 +42,18 @@ class EmbeddedTargetConfig(Strict):
     train_lr: float = Field(3e-3, gt=0)
     num_conversations: int = Field(600, ge=10, description="conversations written for the drafter, replies by the target")
     reply_max_new_tokens: int = Field(64, ge=4)
+
+    @model_validator(mode="after")
+    def _known_family(self) -> "EmbeddedTargetConfig":
+        from draftline.target.families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise ValueError(f"target.embedded.family {self.family!r} is not one of {sorted(FAMILIES)}")
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 class TargetConfig(Strict):

@@ -84,7 +84,7 @@ def hf_config(config: DrafterConfig, torch_dtype: str) -> dict[str, Any]:
         "attention_bias": False,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.target_vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
@@ -169,6 +169,7 @@ def config_from_hf(hf: dict[str, Any]) -> DrafterConfig:
         rms_norm_eps=hf["rms_norm_eps"],
         rope_theta=hf["rope_theta"],
         max_position_embeddings=hf["max_position_embeddings"],
+        rope_scaling=hf.get("rope_scaling"),
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from draftline.config import DraftlineConfig, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem, write_resolved
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
 from draftline.utils import atomic_write_json, read_json, split_of, stable_fraction, stable_hash
 
@@ -103,6 +103,7 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
         num_hidden_layers=emb.num_layers,
         num_attention_heads=emb.num_attention_heads,
         num_key_value_heads=emb.num_key_value_heads,
+        head_dim=emb.head_dim,
         max_position_embeddings=emb.max_position_embeddings,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -111,6 +112,9 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    problem = cpu_head_dim_problem(model_config.head_dim, f"embedded target {cfg.target.name}:")
+    if problem:
+        raise ConfigError(problem)
     model = LlamaForCausalLM(model_config)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=emb.train_lr, betas=(0.9, 0.95), weight_decay=0.01)

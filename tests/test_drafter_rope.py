@@ -3,7 +3,7 @@
 For each family's rope (default theta 1e4 and 1e6, llama3, yarn; twin and published parameters) the drafter is sized
 from the family's transformers config, its export's config.json is written, and q/k are rotated three ways: by the
 drafter (drafter/model.py), by vLLM's own get_rope in .venv-vllm, and by SGLang's own rotary code of 0.5.6, 0.5.12 and
-0.5.23 (unpacked wheels, scripts/fetch_sglang_sources.sh). They must agree to float32 rounding.
+0.5.23 (the released wheels, unpacked by tests/engine_sources.py). They must agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 
 from conftest import REPO
 from draftline.config import EmbeddedTargetConfig
-from draftline.drafter.export import hf_config
+from draftline.drafter.export import SGLANG_VERSIONS_CHECKED, hf_config
 from draftline.drafter.model import DrafterConfig, apply_rope
 from draftline.target.families import build_model_config
+from engine_sources import unpacked_sglang_sources
 
-SGLANG_VERSIONS = ("0.5.6", "0.5.12", "0.5.23")
-SOURCES = REPO / ".engine-sources"
+SGLANG_VERSIONS = SGLANG_VERSIONS_CHECKED
 VLLM_PYTHON = os.environ.get("DRAFTLINE_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
 SPECIAL = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
@@ -59,9 +59,8 @@ ROPE_CASES = {
 
 @pytest.fixture(scope="module")
 def sglang_sources():
-    subprocess.run(["bash", str(REPO / "scripts" / "fetch_sglang_sources.sh"), str(SOURCES), *SGLANG_VERSIONS],
-                   cwd=REPO, check=True, env={**os.environ, "PIP": os.path.join(os.path.dirname(sys.executable), "pip"), "PYTHON": sys.executable})  # fmt: skip
-    return {v: SOURCES / f"sglang-{v}" for v in SGLANG_VERSIONS}
+    prefixes = ("sglang/srt/layers/rotary_embedding", "sglang/srt/models/llama.py")
+    return {v: unpacked_sglang_sources(v, prefixes) for v in SGLANG_VERSIONS}
 
 
 def _drafter_rotation(config: DrafterConfig, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -21,6 +21,20 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# vLLM's CPU attention (head_dim 32/48/64/80 seen to work, 40 fails) and SGLang's intel_amx kernels need this multiple.
+CPU_HEAD_DIM_MULTIPLE = 32
+
+
+def cpu_head_dim_problem(head_dim: int, where: str) -> Optional[str]:
+    """Why a model with this head_dim cannot be served by the CPU engines, or None."""
+    if head_dim % CPU_HEAD_DIM_MULTIPLE == 0:
+        return None
+    return (
+        f"{where} head_dim {head_dim} is not a multiple of {CPU_HEAD_DIM_MULTIPLE}: vLLM's CPU attention and SGLang's "
+        f"intel_amx kernels cannot serve it (vLLM fails at the first request, not at start-up); use 32 or 64"
+    )
+
+
 class EmbeddedTargetConfig(Strict):
     """The tiny real target the embedded default (and every shape twin) builds for itself (no hub download)."""
 
@@ -32,7 +46,10 @@ class EmbeddedTargetConfig(Strict):
     intermediate_size: int = Field(432, ge=32)
     num_attention_heads: int = Field(4, ge=1)
     num_key_value_heads: int = Field(2, ge=1)
-    head_dim: Optional[int] = Field(None, ge=8, description="attention head width; None = hidden_size // num_attention_heads")
+    head_dim: int = Field(
+        32, ge=1, description=f"attention head width; a multiple of {CPU_HEAD_DIM_MULTIPLE}, "
+        "the only widths vLLM's CPU attention and SGLang's intel_amx kernels serve (heads x head_dim may differ from hidden_size)",
+    )
     vocab_size: int = Field(2048, ge=300, description="byte-level BPE vocabulary incl. special tokens")
     max_position_embeddings: int = Field(512, ge=64)
     corpus_max_bytes: int = Field(6_000_000, ge=10_000, description="stdlib text used for tokenizer + LM training")
@@ -51,9 +68,17 @@ class EmbeddedTargetConfig(Strict):
             raise ValueError(f"target.embedded.family {self.family!r} is not one of {sorted(FAMILIES)}")
         return self
 
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+    @model_validator(mode="after")
+    def _served_shape(self) -> "EmbeddedTargetConfig":
+        problem = cpu_head_dim_problem(self.head_dim, "target.embedded.head_dim:")
+        if problem:
+            raise ValueError(problem)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"target.embedded.num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self
 
 
 class TargetConfig(Strict):

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftline.target.aux_layers import DEFAULT_FAMILY, check_capture_ids, family_of
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -34,7 +36,8 @@ class DrafterConfig:
     draft_vocab_size: int
     target_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] = ()
+    aux_layer_ids: tuple[int, ...] = ()  # layer-OUTPUT ids (draftline.target.aux_layers)
+    target_family: str = DEFAULT_FAMILY  # decides the aux ids each engine is told (draftline.target.aux_layers)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
@@ -55,9 +58,9 @@ class DrafterConfig:
                 )
         if not self.aux_layer_ids:
             problems.append("aux_layer_ids is empty: give the target layer-output ids the aux states came from")
-        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
+        elif list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
             problems.append(
-                f"aux_layer_ids {list(self.aux_layer_ids)} must be strictly increasing: SGLang concatenates the "
+                f"aux_layer_ids {list(self.aux_layer_ids)} must be strictly increasing: the engines concatenate the "
                 "captured states in layer order, whatever order the config lists them in"
             )
         if self.num_attention_heads % self.num_key_value_heads:
@@ -103,18 +106,12 @@ class DrafterConfig:
         """Size the drafter after a transformers Llama-style target config.
 
         hidden_size must equal the target's: the drafter consumes the target's own token embedding.
-        aux_layer_ids are layer-OUTPUT ids (HF `hidden_states[i+1]`); SGLang captures the input of layer i+1,
-        so the last usable id is num_hidden_layers-2.
+        aux_layer_ids are layer-OUTPUT ids (HF `hidden_states[i+1]`), checked by draftline.target.aux_layers.
         """
         hidden_size = int(target_hf_config.hidden_size)
         num_layers = int(target_hf_config.num_hidden_layers)
         rope_theta, rope_scaling = _rope_of(target_hf_config)
-        bad_ids = [i for i in aux_layer_ids if not 0 <= int(i) <= num_layers - 2]
-        if bad_ids:
-            raise ValueError(
-                f"aux_layer_ids {bad_ids} out of range for a {num_layers}-layer target: layer-output ids must be in "
-                f"[0, {num_layers - 2}] because SGLang captures the input of layer id+1"
-            )
+        check_capture_ids([int(i) for i in aux_layer_ids], num_layers)
         target_heads = int(target_hf_config.num_attention_heads)
         target_kv_heads = int(getattr(target_hf_config, "num_key_value_heads", None) or target_heads)
         # MLA targets (DeepSeek-V3, Kimi-K2) have no single head width (their `head_dim` is the rotary part):
@@ -142,6 +139,7 @@ class DrafterConfig:
             target_vocab_size=int(target_hf_config.vocab_size),
             target_hidden_size=hidden_size,
             aux_layer_ids=tuple(int(i) for i in aux_layer_ids),
+            target_family=family_of(target_hf_config),
             rms_norm_eps=float(target_hf_config.rms_norm_eps),
             rope_theta=rope_theta,
             max_position_embeddings=int(target_hf_config.max_position_embeddings),

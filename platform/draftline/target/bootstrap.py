@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from draftline.config import DraftlineConfig, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem, write_resolved
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
-from draftline.target.families import FAMILIES, build_model_config
+from draftline.target.families import FAMILIES, build_model_config, served_head_dims
 from draftline.utils import atomic_write_json, read_json, split_of, stable_fraction, stable_hash
 
 BOS, END, PAD = "<|bos|>", "<|end|>", "<|pad|>"
@@ -102,6 +102,10 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
         "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     })  # fmt: skip
+    for head_dim in served_head_dims(model_config):
+        problem = cpu_head_dim_problem(head_dim, f"embedded target {cfg.target.name}:")
+        if problem:
+            raise ConfigError(problem)
     model = AutoModelForCausalLM.from_config(model_config)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=emb.train_lr, betas=(0.9, 0.95), weight_decay=0.01)

@@ -34,7 +34,7 @@ def _common(emb: "EmbeddedTargetConfig", special: dict[str, Any]) -> dict[str, A
         num_hidden_layers=emb.num_layers,
         num_attention_heads=emb.num_attention_heads,
         num_key_value_heads=emb.num_key_value_heads,
-        head_dim=emb.resolved_head_dim,
+        head_dim=emb.head_dim,
         max_position_embeddings=emb.max_position_embeddings,
         bos_token_id=special["bos_token_id"],
         eos_token_id=special["eos_token_id"],
@@ -83,16 +83,17 @@ def _deepseek_v3(emb, special):
 
     # DeepSeek-V3 / Kimi-K2: MLA (q_lora 1536, kv_lora 512, nope 128 + rope 64, v 128), 256 routed experts
     # (8 per token, 8 groups, top-4 groups, sigmoid scores with a correction bias), 1 shared expert, the first 3
-    # layers dense, YaRN x40 over 4096 positions. The twin halves or quarters the ranks, keeps 1 shared expert,
-    # 8 routed (2 per token, 4 groups, top-2 groups), the first layer dense, YaRN x4 over max_positions/4.
-    head_dim = emb.resolved_head_dim
+    # layers dense, YaRN x40 over 4096 positions. The twin keeps nope = v = 2 x rope with rope = head_dim (q/k
+    # heads 96 wide, v 64: multiples of 32), 1 shared expert and 8 routed (2 per token, 4 groups, top-2 groups),
+    # the first layer dense, YaRN x4 over max_positions/4.
+    rope_dim = emb.head_dim
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": emb.max_position_embeddings // 4}  # fmt: skip
     common = _common(emb, special)
     del common["head_dim"]  # MLA: the head widths below replace it
     return DeepseekV3Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=rope,
                             q_lora_rank=emb.hidden_size // 2, kv_lora_rank=emb.hidden_size // 4,
-                            qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
+                            qk_nope_head_dim=2 * rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=2 * rope_dim,
                             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                             moe_intermediate_size=emb.intermediate_size // 4, first_k_dense_replace=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0)  # fmt: skip
@@ -105,6 +106,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3-moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen/Qwen3-30B-A3B", _qwen3_moe),
     "deepseek-v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek-ai/DeepSeek-V3 (and moonshotai/Kimi-K2)", _deepseek_v3),
 }
+
+
+def served_head_dims(config) -> list[int]:
+    """The attention head widths an engine's kernels see: q/k and v for MLA, else head_dim."""
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return [config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim]
+    return [config.head_dim]
 
 
 def build_model_config(emb: "EmbeddedTargetConfig", special: dict[str, Any]):

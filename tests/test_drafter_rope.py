@@ -73,9 +73,10 @@ def _drafter_rotation(config: DrafterConfig, positions: torch.Tensor, q: torch.T
 
 
 def _engine_runs(sources):
-    runs = [("vllm", VLLM_PYTHON, "-")]
-    runs += [("sglang", sys.executable, str(sources[v])) for v in SGLANG_VERSIONS]
-    runs += [("sglang-transformers5", sys.executable, str(sources[v])) for v in SGLANG_VERSIONS[1:]]
+    """(run id, engine, interpreter, source dir) for each engine run."""
+    runs = [("vllm", "vllm", VLLM_PYTHON, "-")]
+    runs += [(f"sglang-{v}", "sglang", sys.executable, str(sources[v])) for v in SGLANG_VERSIONS]
+    runs += [(f"sglang-{v}-transformers5", "sglang-transformers5", sys.executable, str(sources[v])) for v in SGLANG_VERSIONS[1:]]
     return runs
 
 
@@ -97,8 +98,7 @@ def rotations(tmp_path_factory, sglang_sources):
         torch.save({"positions": positions, "q": q, "k": k}, export_dir / "inputs.pt")
         cases[name] = (config, export_dir, _drafter_rotation(config, positions, q, k))
     got = {}
-    for engine, python, source in _engine_runs(sglang_sources):
-        run_id = f"{engine}-{os.path.basename(source)}"
+    for run_id, engine, python, source in _engine_runs(sglang_sources):
         jobs = [{"export_dir": str(d), "inputs": str(d / "inputs.pt"), "output": str(d / f"{run_id}.pt")} for _, d, _ in cases.values()]
         (root / f"{run_id}.json").write_text(json.dumps(jobs))
         done = subprocess.run([python, str(REPO / "tests" / "engine_rope_runner.py"), engine, source, str(root / f"{run_id}.json")],

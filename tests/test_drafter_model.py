@@ -44,9 +44,9 @@ def test_from_target_overrides_and_validation():
     assert (config.num_attention_heads, config.head_dim, config.num_key_value_heads) == (8, 8, 2)
     assert config.intermediate_size == 40
     assert config.aux_layer_ids == (1, 2, 4)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"outside 0..4 for a 6-layer target"):
         DrafterConfig.from_target(target, draft_vocab_size=100, aux_layer_ids=[1, 2, 5])
-    with pytest.raises(ValueError, match="strictly increasing"):
+    with pytest.raises(ValueError, match="strictly ascending"):
         DrafterConfig.from_target(target, draft_vocab_size=100, aux_layer_ids=[3, 1, 2])
     with pytest.raises(ValueError, match="draft_vocab_size"):
         DrafterConfig.from_target(target, draft_vocab_size=301, aux_layer_ids=[1, 2, 3])

@@ -7,7 +7,8 @@ import torch
 
 from draftline.data.prepare import load_split
 from draftline.extract.worker import hidden_states_for_samples
-from draftline.target.capture import capture_aux_hidden, check_aux_layer_ids
+from draftline.target.aux_layers import check_capture_ids
+from draftline.target.capture import capture_aux_hidden
 from draftline.target.load import default_aux_layer_ids, load_target
 
 
@@ -98,8 +99,8 @@ def test_batched_right_padded_equals_one_at_a_time(target, val_sequences):
 
 @pytest.mark.parametrize(
     "aux_layer_ids, message",
-    [([], "empty"), ([1, 7], "outside 0..6"), ([3, 1, 4], "ascending"), ([1, 1, 4], "ascending"), ([-1, 2], "outside")],
+    [([], "no aux layer ids"), ([1, 7], "outside 0..6"), ([3, 1, 4], "ascending"), ([1, 1, 4], "ascending"), ([-1, 2], "outside")],
 )
 def test_ids_sglang_would_capture_differently_are_refused(aux_layer_ids, message):
     with pytest.raises(ValueError, match=message):
-        check_aux_layer_ids(aux_layer_ids, num_layers=8)
+        check_capture_ids(aux_layer_ids, num_layers=8)

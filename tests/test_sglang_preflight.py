@@ -316,7 +316,7 @@ def make_target(root: Path, num_layers=6, hidden=192, vocab=2048) -> Path:
     return target
 
 
-def make_draft(root: Path, d2t_len=1024, aux=(1, 2, 2), **overrides) -> Path:
+def make_draft(root: Path, d2t_len=1024, aux=(1, 2, 3), **overrides) -> Path:
     draft = root / "draft"
     draft.mkdir()
     config = {

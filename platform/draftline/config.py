@@ -21,14 +21,35 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class EmbeddedTargetConfig(Strict):
-    """The tiny real Llama that the embedded default builds for itself (no hub download)."""
+# vLLM's CPU attention (head_dim 32/48/64/80 seen to work, 40 fails) and SGLang's intel_amx kernels need this multiple.
+CPU_HEAD_DIM_MULTIPLE = 32
 
+
+def cpu_head_dim_problem(head_dim: int, where: str) -> Optional[str]:
+    """Why a model with this head_dim cannot be served by the CPU engines, or None."""
+    if head_dim % CPU_HEAD_DIM_MULTIPLE == 0:
+        return None
+    return (
+        f"{where} head_dim {head_dim} is not a multiple of {CPU_HEAD_DIM_MULTIPLE}: vLLM's CPU attention and SGLang's "
+        f"intel_amx kernels cannot serve it (vLLM fails at the first request, not at start-up); use 32 or 64"
+    )
+
+
+class EmbeddedTargetConfig(Strict):
+    """The tiny real target the embedded default (and every shape twin) builds for itself (no hub download)."""
+
+    family: str = Field(
+        "llama", description="model family (draftline.target.families): llama, llama3.1, qwen3, qwen3-moe, deepseek-v3"
+    )
     num_layers: int = Field(8, ge=7, description="decoder layers; >= 7 so SGLang's default aux layers [2, n//2, n-3] are distinct")
     hidden_size: int = Field(160, ge=32)
     intermediate_size: int = Field(432, ge=32)
     num_attention_heads: int = Field(4, ge=1)
     num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int = Field(
+        32, ge=1, description=f"attention head width; a multiple of {CPU_HEAD_DIM_MULTIPLE}, "
+        "the only widths vLLM's CPU attention and SGLang's intel_amx kernels serve (heads x head_dim may differ from hidden_size)",
+    )
     vocab_size: int = Field(2048, ge=300, description="byte-level BPE vocabulary incl. special tokens")
     max_position_embeddings: int = Field(512, ge=64)
     corpus_max_bytes: int = Field(6_000_000, ge=10_000, description="stdlib text used for tokenizer + LM training")
@@ -38,6 +59,26 @@ class EmbeddedTargetConfig(Strict):
     train_lr: float = Field(3e-3, gt=0)
     num_conversations: int = Field(600, ge=10, description="conversations written for the drafter, replies by the target")
     reply_max_new_tokens: int = Field(64, ge=4)
+
+    @model_validator(mode="after")
+    def _known_family(self) -> "EmbeddedTargetConfig":
+        from draftline.target.families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise ValueError(f"target.embedded.family {self.family!r} is not one of {sorted(FAMILIES)}")
+        return self
+
+    @model_validator(mode="after")
+    def _served_shape(self) -> "EmbeddedTargetConfig":
+        problem = cpu_head_dim_problem(self.head_dim, "target.embedded.head_dim:")
+        if problem:
+            raise ValueError(problem)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"target.embedded.num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self
 
 
 class TargetConfig(Strict):

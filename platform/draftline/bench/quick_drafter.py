@@ -52,6 +52,7 @@ def quick_drafter(
     from draftline.data.prepare import load_split, load_vocab
     from draftline.drafter.export import META_FILE, export_drafter
     from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+    from draftline.target.aux_layers import family_of
     from draftline.target.load import load_target, resolve_aux_layer_ids
 
     target = load_target(cfg, target_dir=target_dir)
@@ -62,7 +63,7 @@ def quick_drafter(
 
     torch.manual_seed(seed)
     model = target.model
-    aux_layer_ids = resolve_aux_layer_ids(cfg, target.num_layers)
+    aux_layer_ids = resolve_aux_layer_ids(cfg, target.num_layers, family_of(model.config))
     d2t, t2d = load_vocab(dataset_dir)
     config = DrafterConfig.from_target(model.config, int(d2t.shape[0]), aux_layer_ids)
     drafter = Eagle3Drafter(config)

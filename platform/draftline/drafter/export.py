@@ -1,4 +1,4 @@
-"""Export the drafter as an HF directory that SGLang's `LlamaForCausalLMEagle3` loads.
+"""Export the drafter as one HF directory that SGLang's `LlamaForCausalLMEagle3` and vLLM's `Eagle3LlamaForCausalLM` load.
 
 Checked by reading sglang/srt/models/llama_eagle3.py and llama.py of SGLang 0.5.6, 0.5.12 and 0.5.23
 (see docs/drafter-export.md for the details):
@@ -7,8 +7,9 @@ Checked by reading sglang/srt/models/llama_eagle3.py and llama.py of SGLang 0.5.
   test pins our key set). 0.5.12+ renames `midlayer` to `layers.0`, which keeps `midlayer.*` loadable.
 - `d2t` is read as offsets: hot_token_id = d2t + arange(draft_vocab). `t2d` is skipped by the loader.
 - There is no embed_tokens in our export: SGLang shares the target's embedding with the draft model.
-- `eagle_aux_hidden_state_layer_ids` are layer-OUTPUT ids; llama.py's set_eagle3_layers_to_capture adds 1 and
-  captures the inputs of those layers, in layer order.
+- One directory serves SGLang and vLLM although they read aux ids differently (draftline.target.aux_layers):
+  SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`; vLLM 0.32 reads a top-level
+  `eagle_aux_hidden_state_layer_ids` first and falls back to the eagle_config one. Each key holds that engine's ids.
 - 0.5.6 builds fc as 3 * target_hidden_size wide regardless of the config; 0.5.12+ sizes it from the number of
   aux ids. A drafter with n_aux != 3 therefore loads only on 0.5.12+.
 - `tie_word_embeddings` must be false and `draft_vocab_size` set, or SGLang uses/loads a target-vocab lm_head.
@@ -27,9 +28,13 @@ import torch
 from safetensors.torch import load_file, save
 
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+from draftline.target.aux_layers import DEFAULT_FAMILY, rule_for, written_aux_ids
 from draftline.utils import atomic_write_bytes, atomic_write_json, read_json
 
 SGLANG_VERSIONS_CHECKED = ("0.5.6", "0.5.12", "0.5.23")
+# The SGLang version whose aux id rule the export follows; versions reading ids the same way are listed as supported.
+SGLANG_EXPORT_VERSION = "0.5.23"
+VLLM_VERSIONS_CHECKED = ("0.32.0",)
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "draftline.json"
@@ -71,7 +76,8 @@ def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
 
 
 def hf_config(config: DrafterConfig, torch_dtype: str) -> dict[str, Any]:
-    """config.json for SGLang (a transformers LlamaConfig plus the EAGLE-3 fields)."""
+    """config.json for SGLang and vLLM (a transformers LlamaConfig plus the EAGLE-3 fields)."""
+    family, capture_ids = config.target_family, config.aux_layer_ids
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -85,22 +91,30 @@ def hf_config(config: DrafterConfig, torch_dtype: str) -> dict[str, Any]:
         "attention_bias": False,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.target_vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "tie_word_embeddings": False,
+        "target_family": family,
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "eagle_aux_hidden_state_layer_ids": written_aux_ids(family, "sglang", SGLANG_EXPORT_VERSION, capture_ids),
             "use_aux_hidden_state": True,
         },
+        "eagle_aux_hidden_state_layer_ids": written_aux_ids(family, "vllm", VLLM_VERSIONS_CHECKED[-1], capture_ids),
         "torch_dtype": torch_dtype,
     }
 
 
 def sglang_versions_supported(config: DrafterConfig) -> list[str]:
-    return [v for v in SGLANG_VERSIONS_CHECKED if v != "0.5.6" or config.num_aux == 3]
+    """Checked versions that load this export (fc width) and read its aux ids as the export version does."""
+    family, ids = config.target_family, config.aux_layer_ids
+    written = written_aux_ids(family, "sglang", SGLANG_EXPORT_VERSION, ids)
+    return [
+        v for v in SGLANG_VERSIONS_CHECKED
+        if (v != "0.5.6" or config.num_aux == 3) and written_aux_ids(family, "sglang", v, ids) == written
+    ]
 
 
 def export_drafter(
@@ -141,6 +155,7 @@ def export_drafter(
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "sglang_versions_checked": list(SGLANG_VERSIONS_CHECKED),
         "sglang_versions_supported": sglang_versions_supported(cfg),
+        "vllm_versions_checked": list(VLLM_VERSIONS_CHECKED),
         "exported_at_unix_s": int(time.time()),
     }
     atomic_write_json(out / META_FILE, export_meta)
@@ -160,6 +175,7 @@ def config_from_hf(hf: dict[str, Any]) -> DrafterConfig:
             f"config.json describes {hf.get('architectures')} with {hf.get('num_hidden_layers')} layers; "
             "expected a 1-layer LlamaForCausalLMEagle3 drafter"
         )
+    family = hf.get("target_family", DEFAULT_FAMILY)
     return DrafterConfig(
         hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"],
@@ -169,10 +185,14 @@ def config_from_hf(hf: dict[str, Any]) -> DrafterConfig:
         draft_vocab_size=hf["draft_vocab_size"],
         target_vocab_size=hf["vocab_size"],
         target_hidden_size=hf["target_hidden_size"],
-        aux_layer_ids=tuple(hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+        aux_layer_ids=tuple(
+            rule_for(family, "sglang", SGLANG_EXPORT_VERSION).to_capture(hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        ),
+        target_family=family,
         rms_norm_eps=hf["rms_norm_eps"],
         rope_theta=hf["rope_theta"],
         max_position_embeddings=hf["max_position_embeddings"],
+        rope_scaling=hf.get("rope_scaling"),
     )
 
 

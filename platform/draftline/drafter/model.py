@@ -15,12 +15,15 @@ Module names (`midlayer.*`, `fc`, `norm`, `lm_head`, buffers `d2t`, `t2d`) are S
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from draftline.target.aux_layers import DEFAULT_FAMILY, check_capture_ids, family_of
 
 
 @dataclass(frozen=True)
@@ -33,19 +36,31 @@ class DrafterConfig:
     draft_vocab_size: int
     target_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] = ()
+    aux_layer_ids: tuple[int, ...] = ()  # layer-OUTPUT ids (draftline.target.aux_layers)
+    target_family: str = DEFAULT_FAMILY  # decides the aux ids each engine is told (draftline.target.aux_layers)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    # None (plain RoPE) or the export's `rope_scaling` dict: {"rope_type": "linear" | "llama3" | "yarn", ...}
+    rope_scaling: Optional[dict] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
         problems = []
+        if self.rope_scaling is not None:
+            missing = sorted(set(_ROPE_SCALING_KEYS.get(self.rope_scaling.get("rope_type"), ())) - set(self.rope_scaling))
+            if self.rope_scaling.get("rope_type") not in _ROPE_SCALING_KEYS:
+                problems.append(f"rope_scaling {self.rope_scaling}: rope_type must be one of {sorted(_ROPE_SCALING_KEYS)}")
+            elif missing or set(self.rope_scaling) - {"rope_type", *_ROPE_SCALING_KEYS[self.rope_scaling["rope_type"]]}:
+                problems.append(
+                    f"rope_scaling {self.rope_scaling}: a {self.rope_scaling['rope_type']} rope_scaling has exactly "
+                    f"the keys {sorted(_ROPE_SCALING_KEYS[self.rope_scaling['rope_type']])}"
+                )
         if not self.aux_layer_ids:
             problems.append("aux_layer_ids is empty: give the target layer-output ids the aux states came from")
-        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
+        elif list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
             problems.append(
-                f"aux_layer_ids {list(self.aux_layer_ids)} must be strictly increasing: SGLang concatenates the "
+                f"aux_layer_ids {list(self.aux_layer_ids)} must be strictly increasing: the engines concatenate the "
                 "captured states in layer order, whatever order the config lists them in"
             )
         if self.num_attention_heads % self.num_key_value_heads:
@@ -91,20 +106,18 @@ class DrafterConfig:
         """Size the drafter after a transformers Llama-style target config.
 
         hidden_size must equal the target's: the drafter consumes the target's own token embedding.
-        aux_layer_ids are layer-OUTPUT ids (HF `hidden_states[i+1]`); SGLang captures the input of layer i+1,
-        so the last usable id is num_hidden_layers-2.
+        aux_layer_ids are layer-OUTPUT ids (HF `hidden_states[i+1]`), checked by draftline.target.aux_layers.
         """
         hidden_size = int(target_hf_config.hidden_size)
         num_layers = int(target_hf_config.num_hidden_layers)
-        bad_ids = [i for i in aux_layer_ids if not 0 <= int(i) <= num_layers - 2]
-        if bad_ids:
-            raise ValueError(
-                f"aux_layer_ids {bad_ids} out of range for a {num_layers}-layer target: layer-output ids must be in "
-                f"[0, {num_layers - 2}] because SGLang captures the input of layer id+1"
-            )
+        rope_theta, rope_scaling = _rope_of(target_hf_config)
+        check_capture_ids([int(i) for i in aux_layer_ids], num_layers)
         target_heads = int(target_hf_config.num_attention_heads)
         target_kv_heads = int(getattr(target_hf_config, "num_key_value_heads", None) or target_heads)
-        target_head_dim = int(getattr(target_hf_config, "head_dim", None) or hidden_size // target_heads)
+        # MLA targets (DeepSeek-V3, Kimi-K2) have no single head width (their `head_dim` is the rotary part):
+        # the drafter, a plain Llama layer, splits hidden_size evenly.
+        is_mla = getattr(target_hf_config, "kv_lora_rank", None) is not None
+        target_head_dim = int((not is_mla and getattr(target_hf_config, "head_dim", None)) or hidden_size // target_heads)
         if num_attention_heads is None:
             heads, kv_heads, head_dim = target_heads, target_kv_heads, target_head_dim
         else:
@@ -126,21 +139,84 @@ class DrafterConfig:
             target_vocab_size=int(target_hf_config.vocab_size),
             target_hidden_size=hidden_size,
             aux_layer_ids=tuple(int(i) for i in aux_layer_ids),
+            target_family=family_of(target_hf_config),
             rms_norm_eps=float(target_hf_config.rms_norm_eps),
-            rope_theta=_rope_theta_of(target_hf_config),
+            rope_theta=rope_theta,
             max_position_embeddings=int(target_hf_config.max_position_embeddings),
+            rope_scaling=rope_scaling,
         )
 
 
-def _rope_theta_of(hf_config: Any) -> float:
-    # transformers >= 5 keeps it in rope_parameters; 4.x has a top-level rope_theta.
-    rope_parameters = getattr(hf_config, "rope_parameters", None)
-    if isinstance(rope_parameters, dict) and "rope_theta" in rope_parameters:
-        rope_type = rope_parameters.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"target rope_type {rope_type!r} is not supported by the drafter (only 'default')")
-        return float(rope_parameters["rope_theta"])
-    return float(getattr(hf_config, "rope_theta", 10000.0))
+# The keys of each rope_scaling the drafter writes into its export. Every engine reads these the same way (checked
+# numerically against SGLang 0.5.6/0.5.12/0.5.23 and vLLM 0.32 by tests/test_drafter_rope.py).
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
+}
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _rope_of(hf_config: Any) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling for the drafter) from a target config (transformers 5 `rope_parameters`, 4.x keys).
+
+    YaRN's `mscale`/`mscale_all_dim` are dropped: SGLang 0.5.6 and 0.5.12 ignore them, 0.5.23 and vLLM take their
+    ratio, so only without them do all engines compute one magnitude (0.1 ln(factor) + 1). The drafter is trained
+    with what it is served with, which need not be the target's own attention scaling.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"target rope_type {rope_type!r} is not supported by the drafter; supported: default, "
+            f"{', '.join(sorted(_ROPE_SCALING_KEYS))}"
+        )
+    values = {**(_YARN_DEFAULTS if rope_type == "yarn" else {}), **params}
+    missing = [k for k in _ROPE_SCALING_KEYS[rope_type] if k not in values]
+    if missing:
+        raise ValueError(f"target rope_parameters {params}: a {rope_type} RoPE needs {missing}")
+    scaling = {"rope_type": rope_type}
+    for key in _ROPE_SCALING_KEYS[rope_type]:
+        scaling[key] = int(values[key]) if key == "original_max_position_embeddings" else float(values[key])
+    return theta, scaling
+
+
+def rope_frequencies(head_dim: int, theta: float, rope_scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq [head_dim/2] float32, magnitude applied to cos and sin), as SGLang's and vLLM's get_rope compute."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = rope_scaling["factor"]
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    original = rope_scaling["original_max_position_embeddings"]
+    if rope_type == "llama3":
+        # Long wavelengths are divided by factor, short ones kept, the band between interpolated smoothly.
+        low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= original / low) & (wavelen >= original / high)
+        return torch.where(middle, interpolated, scaled), 1.0
+    # yarn: dimensions that turn fewer than beta_slow times over the original context are interpolated,
+    # more than beta_fast times extrapolated, linear in between; cos/sin are scaled by 0.1 ln(factor) + 1.
+    def correction_dim(turns: float) -> float:
+        return (head_dim * math.log(original / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(rope_scaling["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(rope_scaling["beta_slow"])), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
 
 
 class RMSNorm(nn.Module):
@@ -155,13 +231,15 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, position_ids: torch.Tensor, theta: float, rope_scaling: Optional[dict] = None
+) -> torch.Tensor:
     """Llama (neox-style, rotate-half) rotary embedding. x: [B, heads, T, D]; position_ids: [B, T]."""
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    inv_freq, magnitude = rope_frequencies(head_dim, theta, rope_scaling)
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq.to(x.device)  # [B, T, D/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, D]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
     x32 = x.float()
     first, second = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
     rotated = torch.cat([-second, first], dim=-1)
@@ -212,8 +290,8 @@ class DraftDecoderLayer(nn.Module):
         q = attn.q_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
-        theta = self.config.rope_theta
-        return apply_rope(q, position_ids, theta), apply_rope(k, position_ids, theta), v
+        theta, scaling = self.config.rope_theta, self.config.rope_scaling
+        return apply_rope(q, position_ids, theta, scaling), apply_rope(k, position_ids, theta, scaling), v
 
     def finish(self, attn_heads: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn_heads [B, heads, T, D] -> hidden_out [B, T, H] (pre-norm, what the next step consumes)."""

@@ -42,6 +42,7 @@ import torch
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
+from draftline.target.aux_layers import capture_id_problems
 
 
 # ---------------------------------------------------------------------------------------------- probabilities
@@ -516,8 +517,7 @@ def _check_drafter_fits_target(drafter, model, drafter_dir: Path) -> None:
         problems.append(f"target_hidden_size {config.target_hidden_size} != target hidden_size {model.config.hidden_size}")
     if config.target_vocab_size != model.config.vocab_size:
         problems.append(f"vocab_size {config.target_vocab_size} != target vocab_size {model.config.vocab_size}")
-    if max(config.aux_layer_ids) > model.config.num_hidden_layers - 2:
-        problems.append(f"aux_layer_ids {list(config.aux_layer_ids)} exceed a {model.config.num_hidden_layers}-layer target")
+    problems += capture_id_problems(config.aux_layer_ids, model.config.num_hidden_layers)
     if problems:
         raise ValueError(f"drafter {drafter_dir} was not trained for this target: " + "; ".join(problems))
 

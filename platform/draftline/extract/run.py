@@ -31,7 +31,6 @@ from draftline.extract.shards import (
 )
 from draftline.extract.storage import Storage, is_uri
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
-from draftline.target.capture import check_aux_layer_ids
 from draftline.utils import read_json, stable_hash
 
 DEFAULT_SPLITS = ("train", "val")
@@ -90,16 +89,11 @@ def target_info(cfg: DraftlineConfig) -> TargetInfo:
     )
 
 
-def aux_layer_ids_for(cfg: DraftlineConfig, num_layers: int) -> list[int]:
-    from draftline.target.load import resolve_aux_layer_ids
+def aux_layer_ids_for(cfg: DraftlineConfig, target: TargetInfo) -> list[int]:
+    from draftline.target.aux_layers import family_of
+    from draftline.target.load import read_target_config, resolve_aux_layer_ids
 
-    ids = resolve_aux_layer_ids(cfg, num_layers)
-    try:
-        check_aux_layer_ids(ids, num_layers)
-    except ValueError as err:
-        source = "extract.aux_layer_ids" if cfg.extract.aux_layer_ids is not None else "the default aux layer ids"
-        raise ConfigError(f"{source}: {err}") from None
-    return ids
+    return resolve_aux_layer_ids(cfg, target.num_layers, family_of(read_target_config(target.target_dir)))
 
 
 def hidden_root(cfg: DraftlineConfig) -> Storage:
@@ -488,7 +482,7 @@ def extract_with_stats(
     target = target_info(cfg)
     dataset_dir = Path(dataset_dir) if dataset_dir is not None else prepare(cfg, target.target_dir)
     dataset_manifest = _check_dataset_matches_target(dataset_dir, target)
-    aux_layer_ids = aux_layer_ids_for(cfg, target.num_layers)
+    aux_layer_ids = aux_layer_ids_for(cfg, target)
     dataset_hash = dataset_manifest.get("dataset_hash", dataset_dir.name)
     root = hidden_root(cfg).child(extraction_hash(cfg, dataset_hash, target, aux_layer_ids))
     root.write_bytes("resolved_config.yaml", config_to_yaml(cfg).encode())

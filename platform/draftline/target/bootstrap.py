@@ -1,6 +1,7 @@
-"""Stage 1 (embedded default only): build a tiny real target LLM on this machine.
+"""Stage 1 (embedded default and shape twins): build a tiny real target LLM on this machine.
 
-No hub download: a byte-level BPE tokenizer and a small `LlamaForCausalLM` are trained on (signature, docstring)
+No hub download: a byte-level BPE tokenizer and a small causal LM of the configured family
+(`target.embedded.family`, see target/families.py: Llama, Llama-3.1, Qwen3, Qwen3-MoE, DeepSeek-V3) are trained on (signature, docstring)
 pairs from Python's standard library, formatted with a chat template. The result is saved with `save_pretrained`
 so it loads like any HF model (and would load in SGLang on a GPU). The same directory gets `conversations.jsonl`:
 prompts answered greedily by the target itself, so the drafter learns the target's own distribution.
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from draftline.config import DraftlineConfig, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem, write_resolved
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
+from draftline.target.families import FAMILIES, build_model_config, served_head_dims
 from draftline.utils import atomic_write_json, read_json, split_of, stable_fraction, stable_hash
 
 BOS, END, PAD = "<|bos|>", "<|end|>", "<|pad|>"
@@ -92,26 +94,19 @@ def _unigram_perplexity(train_stream: torch.Tensor, eval_stream: torch.Tensor, v
 
 
 def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     emb = cfg.target.embedded
     torch.manual_seed(cfg.seed)
-    model_config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=emb.hidden_size,
-        intermediate_size=emb.intermediate_size,
-        num_hidden_layers=emb.num_layers,
-        num_attention_heads=emb.num_attention_heads,
-        num_key_value_heads=emb.num_key_value_heads,
-        max_position_embeddings=emb.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(model_config)
+    model_config = build_model_config(emb, {
+        "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    })  # fmt: skip
+    for head_dim in served_head_dims(model_config):
+        problem = cpu_head_dim_problem(head_dim, f"embedded target {cfg.target.name}:")
+        if problem:
+            raise ConfigError(problem)
+    model = AutoModelForCausalLM.from_config(model_config)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=emb.train_lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, emb.train_steps // 20)
@@ -170,7 +165,7 @@ def target_cache_key(cfg: DraftlineConfig, pairs: list[DocPair]) -> str:
 
 
 def bootstrap_target(cfg: DraftlineConfig) -> Path:
-    """Build (or find in the cache) the embedded tiny target. Returns its HF directory."""
+    """Build (or find in the cache) the embedded tiny target or shape twin. Returns its HF directory."""
     if cfg.target.kind != "embedded":
         raise ValueError(f"bootstrap-target builds the embedded target only; target.kind is {cfg.target.kind!r}")
     emb = cfg.target.embedded
@@ -240,6 +235,8 @@ def bootstrap_summary(target_dir: Path) -> dict:
 def _cmd(args) -> int:
     from draftline.cli import config_from_args
 
+    if args.family:
+        args.overrides = [*(args.overrides or []), f"target.embedded.family={args.family}"]
     cfg = config_from_args(args)
     out = bootstrap_target(cfg)
     summary = bootstrap_summary(out)
@@ -250,6 +247,7 @@ def _cmd(args) -> int:
 def register(subparsers) -> None:
     from draftline.cli import add_config_args
 
-    parser = subparsers.add_parser("bootstrap-target", help="build the embedded tiny target (cached)")
+    parser = subparsers.add_parser("bootstrap-target", help="build the embedded tiny target or a family's shape twin (cached)")
     add_config_args(parser)
+    parser.add_argument("--family", choices=sorted(FAMILIES), help="model family (= override target.embedded.family)")
     parser.set_defaults(func=_cmd)

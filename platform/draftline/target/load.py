@@ -6,38 +6,31 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from draftline.config import ConfigError, DraftlineConfig
+from draftline.target.aux_layers import AuxLayerIdError, aux_layer_ids, default_aux_layer_ids  # noqa: F401 (re-export)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight files above this are fingerprinted by name, size and their first/last MiB instead of full content.
 _FULL_HASH_LIMIT_BYTES = 2 << 30
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """Layer-OUTPUT ids SGLang's Llama captures by default.
-
-    SGLang captures the *inputs* of layers [2, n//2, n-3] (`set_eagle3_layers_to_capture` in srt/models/llama.py,
-    checked in 0.5.6, 0.5.12, 0.5.23), i.e. the outputs of layers [1, n//2-1, n-4]. HF `hidden_states[i+1]`
-    is the output of layer i.
-    """
-    return [1, num_layers // 2 - 1, num_layers - 4]
+def engine_version(cfg: DraftlineConfig) -> Optional[str]:
+    """The configured version of the serving engine (None for the reference engine)."""
+    backend = cfg.engine.backend
+    return getattr(cfg.engine, backend).version if backend != "reference" else None
 
 
-def resolve_aux_layer_ids(cfg: DraftlineConfig, num_layers: int) -> list[int]:
-    ids = list(cfg.extract.aux_layer_ids) if cfg.extract.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigError(
-            f"extract.aux_layer_ids {ids}: ids {bad} are outside the target's layers 0..{num_layers - 1} "
-            "(ids are layer-OUTPUT ids; leave the field empty for SGLang's default)"
-        )
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"extract.aux_layer_ids {ids}: ids must be distinct")
-    return ids
+def resolve_aux_layer_ids(cfg: DraftlineConfig, num_layers: int, family: str) -> list[int]:
+    """Capture (layer-output) ids for extraction: extract.aux_layer_ids, else the configured engine's default."""
+    try:
+        ids = aux_layer_ids(family, cfg.engine.backend, engine_version(cfg), num_layers, cfg.extract.aux_layer_ids)
+    except AuxLayerIdError as err:
+        raise ConfigError(f"{err}; fix extract.aux_layer_ids (or leave it empty for the engine's default)") from None
+    return list(ids.capture)
 
 
 def target_fingerprint(target_dir: str | Path) -> str:

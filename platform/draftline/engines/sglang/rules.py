@@ -50,6 +50,7 @@ from typing import Callable, Iterator, Optional
 
 from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version
 from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
+from draftline.target.aux_layers import AuxLayerIdError, capture_ids_from_written, family_of
 
 
 @dataclass(frozen=True)
@@ -702,14 +703,14 @@ def check_checkpoints(ctx: Context) -> Iterator[Finding]:
     aux_ids = (draft.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     num_layers = target.config.get("num_hidden_layers")
     if aux_ids is not None and num_layers is not None:
-        bad = [i for i in aux_ids if not isinstance(i, int) or i < 0 or i + 1 >= num_layers]
-        if bad:
+        try:
+            capture_ids_from_written(family_of(target.config), "sglang", ctx.version, num_layers, aux_ids,
+                                     where=f"{draft.path}/config.json eagle_config.eagle_aux_hidden_state_layer_ids")
+        except AuxLayerIdError as err:
             yield _err(
                 "aux-layer-ids", [draft_flag, target_flag],
-                f"eagle_config.eagle_aux_hidden_state_layer_ids {aux_ids} has {bad} outside 0..{num_layers - 2}: SGLang "
-                f"captures the input of layer id+1 and the target has {num_layers} layers, so those ids are never "
-                "captured and the drafter receives fewer hidden states than it was trained on.",
-                f"use layer-output ids between 0 and {num_layers - 2} (draftline's default: [1, n//2-1, n-4])",
+                f"{err}: SGLang would capture other hidden states than the drafter was trained on.",
+                "re-export the drafter for this target (draftline's default ids: [1, n//2-1, n-4])",
             )  # fmt: skip
         fixed = b.fixed_aux_layer_count
         if fixed is not None and len(aux_ids) != fixed:

@@ -164,6 +164,18 @@ class ServerProcess:
         if self.failed:
             raise ServerError(self.failed)
 
+    async def wait_relaunched(self, refused_pid: Optional[int]) -> None:
+        """After a refused connection: wait until the server with `refused_pid` is healthy again or, if it died,
+        until the watcher (which may not have seen the exit yet) has relaunched it and the new one is ready."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.failed:
+                raise ServerError(self.failed)
+            if self._ready.is_set() and (self.pid != refused_pid or await self.healthy()):
+                return
+            await asyncio.sleep(0.5)
+        raise ServerError(f"{self.name} did not come back within {self.startup_timeout_s} s")
+
     async def kill(self) -> None:
         """SIGKILL the server group as a crash would (tests; the watcher relaunches it)."""
         if self._process is not None and self._process.returncode is None:

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -260,14 +259,14 @@ class VLLMEngine:
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
         for _ in range(self.cfg.engine.vllm.max_restarts + 1):
+            pid = self.server.pid
             try:
                 async for chunk in self._stream(body):
                     yield chunk
                 return
             except _NotConnected:
                 # The server went away before anything streamed: the watcher relaunches it; send again then.
-                await asyncio.sleep(0.5)
-                await self.server.wait_ready()
+                await self.server.wait_relaunched(pid)
         raise VLLMError(f"vLLM at {self.base_url} refused connections {self.cfg.engine.vllm.max_restarts + 1} times")
 
     async def _stream(self, body: dict) -> AsyncIterator[GenerationChunk]:

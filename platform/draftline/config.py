@@ -230,8 +230,36 @@ class SGLangConfig(Strict):
     max_restarts: int = Field(3, ge=0)
 
 
+class VLLMConfig(Strict):
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) as a subprocess; CPU build by default."""
+
+    version: str = Field("0.32.0", description="vLLM version the aux id rule and the preflight are checked for")
+    python: Optional[str] = Field(
+        None, description="interpreter with vllm installed; None = $DRAFTLINE_VLLM_PYTHON, else .venv-vllm/bin/python "
+        "of this checkout (`make setup-vllm` builds it)",
+    )
+    host: str = "127.0.0.1"
+    port: Optional[int] = Field(None, ge=1, le=65535, description="None = a free port, picked at each start")
+    dtype: Optional[str] = Field(None, description="--dtype; None = the target's torch_dtype")
+    max_model_len: Optional[int] = Field(None, ge=16, description="--max-model-len; None = the target's context")
+    max_num_seqs: Optional[int] = Field(None, ge=1, description="--max-num-seqs (requests batched at once)")
+    enforce_eager: bool = Field(False, description="--enforce-eager: no torch.compile (starts faster, runs slower)")
+    kv_cache_space_gib: float = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build, GiB")
+    cpu_threads: Optional[int] = Field(
+        None, ge=1, description="OpenMP threads of the CPU build (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS); "
+        "None = vLLM's own core binding",
+    )
+    preload_intel_openmp: bool = Field(
+        True, description="LD_PRELOAD the venv's libiomp5.so (vLLM warns that CPU speculative decoding is much slower "
+        "without it); off or no library = plain GNU OpenMP, reported by the engine",
+    )
+    extra_args: list[str] = Field(default_factory=list, description="appended verbatim to the server command")
+    startup_timeout_s: float = Field(600, gt=0, description="start-up takes 1-3 min on CPU (torch.compile)")
+    max_restarts: int = Field(3, ge=0)
+
+
 class EngineConfig(Strict):
-    backend: Literal["reference", "sglang"] = "reference"
+    backend: Literal["reference", "sglang", "vllm"] = "reference"
     device: str = "cpu"
     cpu_threads: Optional[int] = Field(
         1, ge=1, description="torch intra-op threads of the reference engine on CPU (None = torch's default). "
@@ -239,6 +267,7 @@ class EngineConfig(Strict):
     )
     speculative: SpeculativeConfig = SpeculativeConfig()
     sglang: SGLangConfig = SGLangConfig()
+    vllm: VLLMConfig = VLLMConfig()
 
 
 class BenchConfig(Strict):

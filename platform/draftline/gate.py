@@ -195,12 +195,14 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from draftline.cli import add_config_args
+    from draftline.engines import add_engine_arg
 
     parser = subparsers.add_parser(
         "gate", help="bench a drafter version and tag it gate=passed|failed", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--version", help="registered version to gate (default: the latest)")
+    add_engine_arg(parser)
     add_config_args(parser)
     parser.set_defaults(func=_gate_command)
 
@@ -209,7 +211,9 @@ def _gate_command(args: argparse.Namespace) -> int:
     from draftline.cli import config_from_args
     from draftline.registry import RegistryError
 
-    cfg = config_from_args(args)
+    from draftline.engines import with_engine_arg
+
+    cfg = with_engine_arg(config_from_args(args), args)
     try:
         decision = run_gate(cfg, args.version)
     except RegistryError as err:

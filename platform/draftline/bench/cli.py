@@ -3,6 +3,7 @@
     draftline bench                      # latest registered version vs the target alone
     draftline bench --version 3 --sweep  # try bench.sweep_grid, store the best config per concurrency on version 3
     draftline bench --drafter DIR        # an export directory that is not registered
+    draftline bench --engine vllm        # the same through vLLM (engine.backend), e.g. its CPU build
 
 The target-only engine (same backend, no speculation) runs first on the same prompts; every speculative
 configuration is compared against it at each concurrency level. Output: a table, and JSON with `--out`.
@@ -122,6 +123,7 @@ def store_bench_on_version(cfg: DraftlineConfig, version: str, report: dict) -> 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from draftline.cli import add_config_args
+    from draftline.engines import add_engine_arg
 
     parser = subparsers.add_parser("bench", help="benchmark a drafter against the target alone", description=__doc__)
     which = parser.add_mutually_exclusive_group()
@@ -134,6 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompts", help="jsonl prompt file (override bench.prompts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, which also checks losslessness")
     parser.add_argument("--out", help="write the JSON report here")
+    add_engine_arg(parser)
     add_config_args(parser)
     parser.set_defaults(func=_bench_command)
 
@@ -157,7 +160,9 @@ def _bench_command(args: argparse.Namespace) -> int:
     from draftline.cli import config_from_args
     from draftline.registry import RegistryError, get_version, latest_version
 
-    cfg = apply_bench_overrides(config_from_args(args), args)
+    from draftline.engines import with_engine_arg
+
+    cfg = apply_bench_overrides(with_engine_arg(config_from_args(args), args), args)
     version = None
     try:
         if args.drafter:

@@ -7,7 +7,10 @@ Metrics (SGLang bench_serving's definitions):
   tpot_ms              (latency - ttft) / (output tokens - 1), per request
   decode_tokens_per_s  tokens after the first / time after the first token, over all requests (the decode
                        phase speculation speeds up; output_tokens_per_s also holds every prefill)
-  accept_length        output tokens / verify steps over all requests (bonus token included)
+  accept_length        output tokens / verify steps over all requests (bonus token included); for an engine that
+                       counts server-side only (vLLM: `spec_counters()`), output tokens / its verify count (drafts)
+                       over the load; its raw counters, own mean acceptance length (1 + accepted / drafts) and
+                       per-position acceptance are in `engine_counters`
   speedup              output_tokens_per_s / the target-only engine's at the same concurrency
   decode_speedup       decode_tokens_per_s / the target-only engine's
   cpu_speedup          the output_tokens_per_s ratio on this process's CPU time (time.process_time) instead of wall time:
@@ -21,7 +24,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, Engine, SamplingParams, SpecStats
@@ -69,6 +72,7 @@ class LoadRow:
     cpu_speedup: Optional[float] = None
     decode_speedup: Optional[float] = None
     lossless: Optional[bool] = None
+    engine_counters: Optional[Any] = None  # the engine's own speculative counters over this load (vLLM)
 
     def metrics(self) -> dict:
         output_tokens = sum(len(r.output_ids) for r in self.requests)
@@ -95,13 +99,20 @@ class LoadRow:
             "itl_ms_p50": _ms(percentile(gaps, 50)),
             "itl_ms_p99": _ms(percentile(gaps, 99)),
             "tpot_ms_p50": _ms(percentile(tpots, 50)),
-            "accept_length": round(stats.accept_length, 3) if stats.verify_steps else None,
+            "accept_length": _accept_length(stats, self.engine_counters),
+            "engine_counters": self.engine_counters.as_dict() if self.engine_counters is not None else None,
             "speedup": round(self.speedup, 3) if self.speedup is not None else None,
             "cpu_speedup": round(self.cpu_speedup, 3) if self.cpu_speedup is not None else None,
             "decode_speedup": round(self.decode_speedup, 3) if self.decode_speedup is not None else None,
             "lossless": self.lossless,
             "per_request_accept_lengths": [round(r.stats.accept_length, 3) for r in self.requests if r.stats.verify_steps],
         }
+
+
+def _accept_length(stats: SpecStats, engine_counters) -> Optional[float]:
+    if engine_counters is not None:  # the same definition from the engine's verify count (vLLM: drafts)
+        stats = SpecStats(engine_counters.drafts, engine_counters.accepted_tokens, stats.output_tokens)
+    return round(stats.accept_length, 3) if stats.verify_steps else None
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:
@@ -179,9 +190,13 @@ async def bench_engines(
             await engine.start()
             try:
                 await run_request(engine, prompts[0], SamplingParams(max_new_tokens=4))  # warm-up
+                counters = getattr(engine, "spec_counters", None) if spec.drafter_dir is not None else None
                 for concurrency in concurrency_levels:
+                    before = await counters() if counters is not None else None
                     results, wall_s, cpu_s = await run_load(engine, prompts, concurrency, params)
                     row = LoadRow(spec.label, spec.spec_text(), concurrency, results, wall_s, cpu_s)
+                    if before is not None:
+                        row.engine_counters = (await counters()).minus(before)
                     key = (row.label, row.spec, concurrency)
                     if key not in fastest or row.wall_s < fastest[key].wall_s:
                         fastest[key] = row

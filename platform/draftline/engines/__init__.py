@@ -16,6 +16,7 @@ from draftline.engines.base import Engine
 ENGINE_BACKENDS: dict[str, str] = {
     "reference": "draftline.engines.reference:ReferenceEngine",
     "sglang": "draftline.engines.sglang.engine:SGLangEngine",
+    "vllm": "draftline.engines.vllm.engine:VLLMEngine",
 }
 
 
@@ -40,3 +41,15 @@ def make_engine(
     """
     cls = engine_class(cfg.engine.backend)
     return cls(cfg, target_dir, drafter_dir=drafter_dir, model_version=model_version, speculative=speculative)
+
+
+def add_engine_arg(parser) -> None:
+    parser.add_argument("--engine", choices=sorted(ENGINE_BACKENDS), help="engine backend (overrides engine.backend)")
+
+
+def with_engine_arg(cfg: DraftlineConfig, args) -> DraftlineConfig:
+    if not getattr(args, "engine", None):
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    cfg.engine.backend = args.engine
+    return cfg

@@ -1,0 +1,214 @@
+"""An engine's HTTP server as a supervised subprocess: launch, wait until healthy, restart on crash, stop as a group.
+
+Started with `start_new_session`, so the server and the workers it forks are stopped together (SIGTERM to the
+server, then SIGKILL for what is left of its group), and with PR_SET_PDEATHSIG on Linux, so a server does not
+outlive a killed parent (a crashed Serve replica). A server that exits while nobody asked it to stop is relaunched
+with exponential backoff, at most `max_restarts` times; `wait_ready` lets requests wait for the relaunched server. Every output line goes to `logger`,
+and the last lines are kept for error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Callable, Optional
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+STOP_GRACE_S = 15.0
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the process that started it dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        name: str,
+        argv: Callable[[], list[str]],
+        env: dict[str, str],
+        base_url: Callable[[], str],
+        health_path: str,
+        startup_timeout_s: float,
+        max_restarts: int,
+        logger: logging.Logger,
+        timeout_hint: str,
+    ) -> None:
+        """argv and base_url are called at every launch (a relaunch may pick a new port)."""
+        self.name = name
+        self._argv, self._base_url = argv, base_url
+        self.env = env
+        self.health_path = health_path
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.logger = logger
+        self.timeout_hint = timeout_hint
+        self.restarts = 0
+        self.failed: Optional[str] = None
+        self.recent_log_lines: collections.deque[str] = collections.deque(maxlen=200)
+        self.base_url = ""
+        self._process: Optional[asyncio.subprocess.Process] = None
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        self._client = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.returncode is None and self._ready.is_set() and not self.failed
+
+    async def start(self) -> None:
+        import httpx
+
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        self._stopping = False
+        await self._launch()
+        self._tasks.append(asyncio.create_task(self._watch(), name=f"{self.name}-watch"))
+
+    async def _launch(self) -> None:
+        self._ready.clear()
+        argv, self.base_url = self._argv(), self._base_url()
+        self.logger.info("launching: %s", " ".join(argv))
+        self._process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.env,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        self._tasks.append(asyncio.create_task(self._forward_logs(self._process), name=f"{self.name}-logs"))
+        await self._wait_healthy(self._process)
+        self._ready.set()
+
+    async def _forward_logs(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        async for raw in process.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.recent_log_lines.append(line)
+            self.logger.info("[%s pid %s] %s", self.name, process.pid, line)
+
+    def last_log_lines(self, count: int = 20) -> str:
+        return "\n".join(list(self.recent_log_lines)[-count:])
+
+    async def _wait_healthy(self, process: asyncio.subprocess.Process) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if process.returncode is not None:
+                await asyncio.sleep(0.2)  # let the log forwarder read the last lines
+                raise ServerError(
+                    f"{self.name} exited with code {process.returncode} before it was healthy; last log lines:\n"
+                    + self.last_log_lines()
+                )
+            if await self.healthy():
+                return
+            await asyncio.sleep(0.5)
+        await self._terminate(process)
+        raise ServerError(
+            f"{self.name} at {self.base_url} was not healthy within {self.startup_timeout_s} s ({self.timeout_hint}); "
+            "last log lines:\n" + self.last_log_lines()
+        )
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self._client.get(self.base_url + self.health_path, timeout=5.0)).status_code == 200
+        except Exception:  # connection refused while the server is loading
+            return False
+
+    async def _watch(self) -> None:
+        """Relaunch a server that exits while nobody asked it to stop."""
+        while not self._stopping:
+            code = await self._process.wait()
+            if self._stopping:
+                return
+            self._ready.clear()
+            if self.restarts >= self.max_restarts:
+                self.failed = f"{self.name} exited with code {code} and its {self.max_restarts} restarts are used up"
+                self.logger.error(self.failed)
+                self._ready.set()  # wake waiting requests so they fail fast
+                return
+            backoff_s = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
+            self.restarts += 1
+            self.logger.warning("%s exited with code %s; restart %d in %.0f s", self.name, code, self.restarts, backoff_s)
+            await asyncio.sleep(backoff_s)
+            try:
+                await self._launch()
+            except ServerError as err:
+                self.logger.error("restart %d failed: %s", self.restarts, err)
+
+    async def wait_ready(self) -> None:
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.startup_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServerError(f"{self.name} at {self.base_url} did not come back within {self.startup_timeout_s} s") from None
+        if self.failed:
+            raise ServerError(self.failed)
+
+    async def wait_relaunched(self, refused_pid: Optional[int]) -> None:
+        """After a refused connection: wait until the server with `refused_pid` is healthy again or, if it died,
+        until the watcher (which may not have seen the exit yet) has relaunched it and the new one is ready."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.failed:
+                raise ServerError(self.failed)
+            if self._ready.is_set() and (self.pid != refused_pid or await self.healthy()):
+                return
+            await asyncio.sleep(0.5)
+        raise ServerError(f"{self.name} did not come back within {self.startup_timeout_s} s")
+
+    async def kill(self) -> None:
+        """SIGKILL the server group as a crash would (tests; the watcher relaunches it)."""
+        if self._process is not None and self._process.returncode is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._process is not None:
+            await self._terminate(self._process)
+        # The log forwarders end at EOF: let them, so the pipes are closed on this loop, not at interpreter exit.
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _terminate(self, process: asyncio.subprocess.Process) -> None:
+        """SIGTERM to the server alone (it shuts its workers down), then SIGKILL to whatever is left of the group."""
+        if process.returncode is None:
+            try:
+                os.kill(process.pid, signal.SIGTERM)
+                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+            except (ProcessLookupError, asyncio.TimeoutError):
+                pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        try:
+            await asyncio.wait_for(process.wait(), 5.0)
+        except asyncio.TimeoutError:
+            self.logger.error("%s pid %s did not exit after SIGKILL", self.name, process.pid)

@@ -94,7 +94,7 @@ def test_target_only_greedy_equals_hf_generate(target_engine, prompts):
         ours, stats = target_engine.generate_ids(ids, SamplingParams(max_new_tokens=24))
         hf = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, len(ids)))
         theirs = hf[0, len(ids) :].tolist()
-        assert ours == theirs[: len(ours)]
+        assert ours and ours == theirs  # both stop at EOS or after 24 tokens
         assert stats.output_tokens == len(ours) and stats.verify_steps == 0
 
 
@@ -241,6 +241,9 @@ def test_max_new_tokens_and_stop_token_ids_cut_the_output(tiny_target_dir, fitte
     full, _ = target_engine.generate_ids(prompts[0], SamplingParams(max_new_tokens=30))
     short, stats = engine.generate_ids(prompts[0], SamplingParams(max_new_tokens=3))
     assert short == full[:3] and stats.output_tokens == 3
+    # the cut drops drafts accepted past the budget: emitted = first token + emitted drafts + one bonus per full step
+    bonus_tokens = stats.output_tokens - 1 - stats.accepted_draft_tokens
+    assert bonus_tokens in (stats.verify_steps - 1, stats.verify_steps), stats
     stop_at = full[4]
     stopped, _ = engine.generate_ids(prompts[0], SamplingParams(max_new_tokens=30, stop_token_ids=[stop_at]))
     assert stopped == full[: full.index(stop_at) + 1]
@@ -261,3 +264,5 @@ def test_bad_requests_and_mismatched_drafter_are_refused(tiny_cfg, tiny_target_d
     export_drafter(Eagle3Drafter(other), tmp_path / "other")
     with pytest.raises(ValueError, match="not trained for this target"):
         make_engine(tiny_cfg, tiny_target_dir, tmp_path / "other").load()
+    with pytest.raises(ValueError, match="implements EAGLE3 only"):
+        make_engine(make_test_config(extra=["engine.speculative.algorithm=EAGLE"]), tiny_target_dir, tmp_path / "other")

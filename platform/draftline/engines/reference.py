@@ -174,6 +174,7 @@ class Sequence:
     draft_cache: object = None  # DrafterKVCache
     draft_logits: Optional[torch.Tensor] = None  # [Vd] drafter logits at position L-2 (predicts x_L)
     draft_hidden: Optional[torch.Tensor] = None  # [H] drafter hidden_out at position L-2
+    pending_drafts: int = 0  # how many of the newest committed tokens are accepted drafts (the rest: bonus/prefill)
     stats: SpecStats = field(default_factory=SpecStats)
 
 
@@ -375,7 +376,7 @@ class ReferenceEngine:
         top_scores, top_ids = log_probs.topk(topk)
         frontier = list(range(topk))
         for score, draft_id in zip(top_scores.tolist(), top_ids.tolist()):
-            tokens.append(int(drafter.draft_to_target(torch.tensor(draft_id))))
+            tokens.append(int(drafter.draft_to_target(torch.tensor(draft_id, device=self.device))))
             parents.append(-1)
             scores.append(score)
         frontier_hidden = sequence.draft_hidden[None].expand(topk, -1)  # hidden each frontier node is fed
@@ -397,7 +398,7 @@ class ReferenceEngine:
             hidden_out = layer.finish(attn, residual=frontier_hidden[None])[0]
             step_log_probs = torch.log_softmax(drafter.logits(hidden_out).float(), dim=-1)  # [topk, Vd]
             child_scores, child_ids = step_log_probs.topk(topk, dim=-1)
-            child_scores = child_scores + torch.tensor([scores[c] for c in frontier])[:, None]
+            child_scores = child_scores + torch.tensor([scores[c] for c in frontier], device=child_scores.device)[:, None]
             first_child = len(tokens)
             for row, node in enumerate(frontier):
                 for col in range(topk):
@@ -431,6 +432,7 @@ class ReferenceEngine:
         sequence.tokens.extend(accepted + [bonus])
         sequence.stats.verify_steps += 1
         sequence.stats.accepted_draft_tokens += len(accepted)
+        sequence.pending_drafts = len(accepted)
         sequence.draft_cache.crop(past_length)
         self._draft_extend(sequence, aux[kept_rows], start_position=past_length)
         return accepted + [bonus]
@@ -489,7 +491,7 @@ def _accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gener
                 path.append(child)
                 node = child
                 break
-            residual = torch.clamp(q - p, min=0) if p is not None else q.index_fill(0, torch.tensor(token), 0.0)
+            residual = torch.clamp(q - p, min=0) if p is not None else q.index_fill(0, torch.tensor(token, device=q.device), 0.0)
             if residual.sum() > 0:
                 q = residual / residual.sum()
         else:
@@ -500,9 +502,10 @@ def _accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gener
 
 
 def _check_speculative(spec: SpeculativeConfig) -> None:
-    if spec.algorithm.upper() not in ("EAGLE3", "EAGLE"):
+    if spec.algorithm.upper() != "EAGLE3":
         raise ValueError(
-            f"engine.speculative.algorithm {spec.algorithm!r}: the reference engine implements EAGLE3 only"
+            f"engine.speculative.algorithm {spec.algorithm!r}: the reference engine implements EAGLE3 only "
+            "(EAGLE-1/2 drafters read one hidden state, not three); set engine.speculative.algorithm=EAGLE3"
         )
     if spec.eagle_topk > 1 and spec.num_draft_tokens < 2:
         raise ValueError(
@@ -558,6 +561,9 @@ def _truncate(
     if reason is None and len(sequence.tokens) + lookahead > max_positions:
         reason = "length"  # the next verify would run past the target's positions
     del sequence.tokens[sequence.prompt_length + already + len(emitted) :]
+    # accepted drafts come first in a step's tokens, the bonus last: a cut drops the bonus, then drafts
+    sequence.stats.accepted_draft_tokens -= sequence.pending_drafts - min(sequence.pending_drafts, len(emitted))
+    sequence.pending_drafts = 0
     return emitted, reason
 
 

@@ -72,6 +72,7 @@ class LoadRun:
     wall_s: float
     cpu_s: float
     load_avg_1m: float  # the machine's 1-minute load average when the run started
+    phase_seconds: Optional[dict] = None  # the engine's time per decoding phase during the run, where it counts them
 
 
 @dataclass
@@ -90,6 +91,14 @@ class LoadRow:
     @property
     def requests(self) -> list[RequestResult]:
         return [r for run in self.runs for r in run.requests]
+
+    def phase_seconds(self, wall_s: float) -> Optional[dict]:
+        """Seconds per decoding phase over all rounds (engines that count them), overhead = the rest of wall time."""
+        if any(run.phase_seconds is None for run in self.runs):
+            return None
+        total = {key: round(sum(run.phase_seconds[key] for run in self.runs), 4) for key in self.runs[0].phase_seconds}
+        counted = sum(value for key, value in total.items() if key != "steps")
+        return {**total, "overhead": round(wall_s - counted, 4)}
 
     def metrics(self) -> dict:
         requests = self.requests
@@ -127,6 +136,7 @@ class LoadRow:
             "decode_speedup": round(self.decode_speedup, 3) if self.decode_speedup is not None else None,
             "lossless": self.lossless,
             "load_avg_1m": [min(run.load_avg_1m for run in self.runs), max(run.load_avg_1m for run in self.runs)],
+            "phase_s": self.phase_seconds(wall_s),
             "per_request_accept_lengths": [
                 round(r.stats.accept_length, 3) for r in self.runs[0].requests if r.stats.verify_steps
             ],
@@ -178,9 +188,13 @@ async def run_load(engine: Engine, prompts: list[BenchPrompt], concurrency: int,
             return await run_request(engine, prompt, params)
 
     load_avg_1m = os.getloadavg()[0]
+    phases = getattr(engine, "phase_seconds", None)
+    before = dict(phases) if phases is not None else None
     started, started_cpu = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*(one(p) for p in prompts))
-    return LoadRun(list(results), time.perf_counter() - started, time.process_time() - started_cpu, load_avg_1m)
+    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
+    spent = {key: phases[key] - before[key] for key in phases} if phases is not None else None
+    return LoadRun(list(results), wall_s, cpu_s, load_avg_1m, spent)
 
 
 def request_cells(row: LoadRow) -> tuple[np.ndarray, np.ndarray]:

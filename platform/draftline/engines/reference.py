@@ -360,6 +360,8 @@ class ReferenceEngine:
         request = _Request(self._new_sequence(prompt_ids, params), asyncio.Queue(), _IncrementalText(self.tokenizer))
         self._waiting.append(request)
         if self._scheduler is None or self._scheduler.done():
+            # one scheduler per event loop (asyncio.run in tests and benchmarks makes a new loop each time)
+            self._wake = asyncio.Event()
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
         self._wake.set()
         try:

@@ -140,6 +140,24 @@ def test_still_inconclusive_at_the_budget_fails_and_says_so():
     assert decision.verdict == "inconclusive" and not decision.passed
 
 
+def test_a_failed_check_stops_even_while_another_is_inconclusive():
+    import asyncio
+
+    gate = GateConfig(min_rounds=3, max_rounds=9, min_speedup={1: 1.0, 4: 1.0})
+    rounds = 0
+
+    async def run_round():
+        nonlocal rounds
+        rounds += 1
+
+    def look(confidence):
+        report = {"rows": [row("v2", 1, speedup=(0.9, 1.2)), row("v2", 4, speedup=(0.6, 0.8))]}
+        return decide(gate, report, "v2", None)
+
+    checks, used = asyncio.run(sequential_checks(gate, run_round, look, log=lambda _: None))
+    assert used == 3 and outcomes(checks)["speedup@4"] == FAIL and outcomes(checks)["speedup@1"] == INCONCLUSIVE
+
+
 def test_a_clear_result_stops_at_the_first_look():
     gate = GateConfig(min_rounds=3, max_rounds=9)
     assert run_sequential(gate, lambda n: (0.5, 0.7))[:2] == ({"speedup@1": FAIL, "accept_length": PASS,

@@ -9,8 +9,8 @@ champion take turns on the same prompts at every concurrency level, greedy. Time
   speedup@c       timed: candidate vs target-only tokens/s at concurrency c against gate.min_speedup (per level)
   p99_itl@c       timed: candidate p99 inter-token latency / champion's at concurrency c <= gate.max_p99_latency_ratio
 A timed check passes when its whole interval is on the good side of the threshold, fails when it is wholly on the
-bad side, and is inconclusive otherwise. The gate looks after gate.min_rounds rounds; while any check is
-inconclusive it adds gate.rounds_per_look rounds and looks again, up to gate.max_rounds. Each look uses confidence
+bad side, and is inconclusive otherwise. The gate looks after gate.min_rounds rounds; while no check failed and
+some check is inconclusive it adds gate.rounds_per_look rounds and looks again, up to gate.max_rounds. Each look uses confidence
 1 - (1 - gate.confidence) / looks (Bonferroni over the looks), so looking repeatedly does not inflate the error rate.
 A check still inconclusive at the budget fails the gate (the candidate did not show it clears the bar) and says so.
 The champion checks are skipped (and say so) when there is no champion or the candidate is the champion.
@@ -177,8 +177,8 @@ async def sequential_checks(
 ) -> tuple[list[Check], int]:
     """Add rounds and look (`evaluate(confidence)`) until no check is inconclusive or the budget is spent.
 
-    -> (checks of the last look, rounds run). Exact checks do not need more rounds: a look where only exact checks
-    fail stops at once.
+    -> (checks of the last look, rounds run). A look where any check fails stops at once: more rounds cannot
+    turn the verdict into a pass.
     """
     schedule = look_schedule(gate)
     per_look_confidence = 1 - (1 - gate.confidence) / len(schedule)
@@ -190,10 +190,10 @@ async def sequential_checks(
             rounds += 1
         checks = evaluate(per_look_confidence)
         undecided = [c.name for c in checks if c.outcome == INCONCLUSIVE]
-        exact_failed = [c.name for c in checks if c.outcome == FAIL and c.interval is None]
+        failed = [c.name for c in checks if c.outcome == FAIL]
         log(f"[gate] look after {rounds} rounds (confidence {per_look_confidence:.4f}): "
             + ("; ".join(f"{c.name} {c.outcome}" for c in checks)))  # fmt: skip
-        if not undecided or exact_failed:
+        if not undecided or failed:
             break
     for check in checks:
         if check.outcome == INCONCLUSIVE:

@@ -297,6 +297,7 @@ class ReferenceEngine:
         self.batchable: Optional[bool] = None  # whether the target's cache can hold many sequences (first prefill)
         self._batch = TargetBatch()  # the running requests' target KV, one row each
         self._waiting: list[_Request] = []
+        self._running: list[_Request] = []  # in TargetBatch row order
         self._wake = asyncio.Event()
         self._scheduler: Optional[asyncio.Task] = None
         self.phase_seconds = new_phase_seconds()  # time in each phase of decoding, for benchmarks/engines.py
@@ -346,6 +347,9 @@ class ReferenceEngine:
 
     async def stop(self) -> None:
         self.model = self.drafter = None
+        for request in self._running + self._waiting:
+            request.chunks.put_nowait(RuntimeError("the engine stopped before the request finished"))
+        self._running, self._waiting = [], []
         if self._scheduler is not None:
             self._scheduler.cancel()
             self._scheduler = None
@@ -360,8 +364,10 @@ class ReferenceEngine:
         request = _Request(self._new_sequence(prompt_ids, params), asyncio.Queue(), _IncrementalText(self.tokenizer))
         self._waiting.append(request)
         if self._scheduler is None or self._scheduler.done():
-            # one scheduler per event loop (asyncio.run in tests and benchmarks makes a new loop each time)
+            # one scheduler per event loop (asyncio.run in tests and benchmarks makes a new loop each time); rows
+            # of requests left behind by an earlier loop are dropped with it
             self._wake = asyncio.Event()
+            self._running, self._batch = [], TargetBatch()
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
         self._wake.set()
         try:
@@ -379,29 +385,28 @@ class ReferenceEngine:
         """The scheduler loop: between steps, waiting requests join (prefill) and finished or cancelled ones
         leave; each step advances every running request with one batched target forward (in a worker thread,
         so the event loop keeps streaming)."""
-        running: list[_Request] = []
         while self.model is not None:
-            live = [row for row, request in enumerate(running) if not request.cancelled]
-            if len(live) < len(running):
+            live = [row for row, request in enumerate(self._running) if not request.cancelled]
+            if len(live) < len(self._running):
                 if self.batchable:
                     self._batch.keep_rows(live)
-                running = [running[row] for row in live]
+                self._running = [self._running[row] for row in live]
             joining, self._waiting = [r for r in self._waiting if not r.cancelled], []
-            if not running and not joining:
+            if not self._running and not joining:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                events = await asyncio.to_thread(self._advance, running, joining)
+                events = await asyncio.to_thread(self._advance, self._running, joining)
             except Exception as err:  # noqa: BLE001 - every waiting client gets the error, the loop keeps serving
-                for request in running + joining:
+                for request in self._running + joining:
                     request.chunks.put_nowait(err)
-                running, self._batch = [], TargetBatch()
+                self._running, self._batch = [], TargetBatch()
                 continue
             for request, chunk in events:
                 request.chunks.put_nowait(chunk)
             finished = {id(request) for request, chunk in events if chunk.finished}
-            running = [r for r in running + joining if id(r) not in finished]
+            self._running = [r for r in self._running + joining if id(r) not in finished]
 
     def _advance(self, running: list["_Request"], joining: list["_Request"]) -> list[tuple["_Request", GenerationChunk]]:
         """One scheduler step: a decode step for `running` (rows 0.. of the batch), then prefill for `joining`

@@ -69,7 +69,7 @@ def test_engine_aux_states_are_capture_aux_hidden(target_engine, prompts):
     for start, stop in ((0, split), (split, len(ids))):
         positions = torch.arange(start, stop)[None]
         _, aux = reference.target_forward(model, torch.tensor([ids[start:stop]]), positions, cache, aux_layer_ids)
-        chunks.append(aux)
+        chunks.append(aux[0])
     torch.testing.assert_close(torch.cat(chunks), expected[0], atol=1e-5, rtol=1e-5)
 
 
@@ -79,7 +79,7 @@ def test_target_only_greedy_equals_hf_generate(target_engine, prompts):
         ours, stats = target_engine.generate_ids(ids, SamplingParams(max_new_tokens=24))
         hf = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, len(ids)))
         theirs = hf[0, len(ids) :].tolist()
-        assert ours == theirs[: len(ours)]
+        assert ours and ours == theirs  # both stop at EOS or after 24 tokens
         assert stats.output_tokens == len(ours) and stats.verify_steps == 0
 
 
@@ -184,20 +184,104 @@ def test_sampling_output_distribution_equals_the_targets(
     assert broken_p_value < 1e-3, "the statistic failed to detect a broken acceptance rule"
 
 
+def later_token_pit(engine, ids: list[int], temperature: float, top_p: float, num_samples: int, positions=(2, 3)):
+    """Randomised probability integral transform of output tokens at later positions: u ~ U(0, 1) exactly when
+    each token follows the target's (temperature, top_p) distribution given the tokens before it.
+    The CDF orders the vocabulary by target probability, so tokens the target finds unlikely land near u = 1."""
+    generator = torch.Generator().manual_seed(123)
+    values = []
+    for seed in range(num_samples):
+        out, _ = engine.generate_ids(ids, SamplingParams(max_new_tokens=max(positions) + 1, temperature=temperature,
+                                                         top_p=top_p, seed=seed))  # fmt: skip
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([ids + out])).logits[0]
+        for k in positions:
+            q = reference.target_probs(logits[len(ids) + k - 1], temperature, top_p)
+            order = q.argsort(descending=True)
+            cdf = q[order].cumsum(0)
+            rank = int((order == out[k]).nonzero())
+            below = float(cdf[rank - 1]) if rank else 0.0
+            values.append(below + float(torch.rand((), generator=generator)) * (float(cdf[rank]) - below))
+    return torch.tensor(values)
+
+
+def uniformity_p_value(values: torch.Tensor, bins: int = 10) -> float:
+    observed = torch.histc(values.clamp(0, 1 - 1e-9), bins=bins, min=0, max=1)
+    return chi_square_p_value(observed, torch.full((bins,), 1 / bins))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampling_later_tokens_follow_the_target(tiny_target_dir, random_drafter_dir, prompts, spec, top_p, monkeypatch):
+    """Tokens 3 and 4 (second and third draft positions, and a later round) with and without nucleus sampling.
+    The random drafter gets most drafts rejected, so the residual path is exercised; a broken acceptance rule
+    (accept every draft) must be detected by the same statistic."""
+    engine = loaded_engine(tiny_target_dir, random_drafter_dir, spec)
+    engine.stop_token_ids = set()
+    p_value = uniformity_p_value(later_token_pit(engine, prompts[1], 1.0, top_p, 300))
+    assert p_value > 1e-3, f"later tokens do not follow the target distribution (top_p={top_p}, p={p_value:.2e})"
+
+    def accept_every_draft(tree, logits, params, generator):
+        path, node = [], 0
+        while tree.children(node):
+            node = tree.children(node)[0]
+            path.append(node)
+        return path, reference.sample(reference.target_probs(logits[node], params.temperature, params.top_p), generator)
+
+    monkeypatch.setattr(reference, "_accept", accept_every_draft)
+    broken = uniformity_p_value(later_token_pit(engine, prompts[1], 1.0, top_p, 300))
+    assert broken < 1e-3, "the statistic failed to detect a broken acceptance rule"
+
+
+@pytest.mark.parametrize("spec", [None, (3, 1, 4), (3, 2, 6)], ids=["target-only", "chain", "tree"])
+@pytest.mark.parametrize("concurrency", [2, 5])
+def test_continuous_batching_is_token_identical_for_every_request(
+    tiny_target_dir, fitted_drafter_dir, prompts, target_engine, spec, concurrency, monkeypatch
+):
+    """Requests with different budgets leave the batch at different steps and waiting ones join mid-flight;
+    every output equals the target alone's, and the steps really were batched."""
+    engine = target_engine if spec is None else loaded_engine(tiny_target_dir, fitted_drafter_dir, spec)
+    jobs = [(ids, SamplingParams(max_new_tokens=8 + 5 * (i % 4))) for i, ids in enumerate(prompts[:10])]
+    expected = [target_engine.generate_ids(ids, params)[0] for ids, params in jobs]
+    batch_sizes = []
+    step_batch = engine._step_batch
+
+    def recording_step(sequences, batch):
+        batch_sizes.append(len(sequences))
+        return step_batch(sequences, batch)
+
+    monkeypatch.setattr(engine, "_step_batch", recording_step)
+
+    async def run_all():
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(ids, params):
+            async with gate:
+                return [t async for chunk in engine.generate(ids, params) for t in chunk.token_ids]
+
+        return await asyncio.gather(*(one(ids, params) for ids, params in jobs))
+
+    got = asyncio.run(run_all())
+    for index, (ours, theirs) in enumerate(zip(got, expected)):
+        assert ours == theirs, f"request {index} differs from the target alone at concurrency {concurrency}"
+    assert max(batch_sizes) == concurrency
+
+
 def test_target_probs_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     probs = reference.target_probs(logits, temperature=1.0, top_p=0.8)
     torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
 
 
-def test_tree_attention_mask_sees_prefix_ancestors_and_self():
-    mask = reference.tree_attention_mask([-1, 0, 0, 1], past_length=2, dtype=torch.float32, device="cpu")[0, 0]
-    allowed = (mask == 0).int().tolist()
+def test_tree_allowed_sees_ancestors_and_self_and_padding_sees_itself():
+    allowed = reference.tree_allowed([-1, 0, 0, 1], size=5, device="cpu").int().tolist()
     assert allowed == [
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 1, 0, 1, 0],
-        [1, 1, 1, 1, 0, 1],
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [0, 0, 0, 0, 1],
     ]
 
 
@@ -226,6 +310,9 @@ def test_max_new_tokens_and_stop_token_ids_cut_the_output(tiny_target_dir, fitte
     full, _ = target_engine.generate_ids(prompts[0], SamplingParams(max_new_tokens=30))
     short, stats = engine.generate_ids(prompts[0], SamplingParams(max_new_tokens=3))
     assert short == full[:3] and stats.output_tokens == 3
+    # the cut drops drafts accepted past the budget: emitted = first token + emitted drafts + one bonus per full step
+    bonus_tokens = stats.output_tokens - 1 - stats.accepted_draft_tokens
+    assert bonus_tokens in (stats.verify_steps - 1, stats.verify_steps), stats
     stop_at = full[4]
     stopped, _ = engine.generate_ids(prompts[0], SamplingParams(max_new_tokens=30, stop_token_ids=[stop_at]))
     assert stopped == full[: full.index(stop_at) + 1]
@@ -246,3 +333,5 @@ def test_bad_requests_and_mismatched_drafter_are_refused(tiny_cfg, tiny_target_d
     export_drafter(Eagle3Drafter(other), tmp_path / "other")
     with pytest.raises(ValueError, match="not trained for this target"):
         make_engine(tiny_cfg, tiny_target_dir, tmp_path / "other").load()
+    with pytest.raises(ValueError, match="implements EAGLE3 only"):
+        make_engine(make_test_config(extra=["engine.speculative.algorithm=EAGLE"]), tiny_target_dir, tmp_path / "other")

@@ -276,7 +276,9 @@ class BenchConfig(Strict):
     concurrency: list[int] = Field(default_factory=lambda: [1, 4])
     max_new_tokens: int = Field(48, ge=1)
     sweep: bool = False
-    rounds: int = Field(1, ge=1, description="repeat every engine this often, interleaved; rows keep the fastest round")
+    rounds: int = Field(1, ge=1, description="paired, interleaved rounds of every engine; rows pool all rounds")
+    confidence: float = Field(0.95, gt=0, lt=1, description="level of the speedup intervals the bench reports")
+    bootstrap_samples: int = Field(2000, ge=100, description="bootstrap resamples (rounds x prompts) per interval")
     sweep_grid: list[tuple[int, int, int]] = Field(
         default_factory=lambda: [(2, 1, 3), (3, 1, 4), (5, 1, 6), (3, 2, 6)],
         description="(num_steps, eagle_topk, num_draft_tokens) tried by --sweep",
@@ -285,10 +287,41 @@ class BenchConfig(Strict):
 
 class GateConfig(Strict):
     min_accept_len: float = Field(1.8, ge=1)
-    min_speedup: float = Field(1.0, gt=0)
+    min_speedup: float | dict[int, float] = Field(
+        1.0, description="speedup threshold: one for every concurrency level, or {concurrency: threshold} "
+        "(speedup shrinks as batches become compute-bound); an unlisted level uses the next lower listed one's",
+    )
+    confidence: float = Field(
+        0.95, gt=0, lt=1, description="a timed check passes when its interval at this level clears the threshold "
+        "(split over the looks: each look uses 1 - (1 - confidence) / looks)",
+    )
+    min_rounds: int = Field(3, ge=2, description="paired rounds before the first look")
+    max_rounds: int = Field(9, ge=2, description="round budget: still inconclusive here = the gate fails as inconclusive")
+    rounds_per_look: int = Field(2, ge=1, description="rounds added before each further look")
     require_lossless: bool = True
     champion_margin: float = Field(0.0, description="candidate accept length must exceed champion's by this much")
     max_p99_latency_ratio: float = Field(1.5, gt=0, description="candidate p99 ITL / champion p99 ITL upper bound")
+
+    @model_validator(mode="after")
+    def _rounds(self) -> "GateConfig":
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(f"gate.max_rounds {self.max_rounds} < gate.min_rounds {self.min_rounds}: raise max_rounds")
+        if isinstance(self.min_speedup, dict) and (not self.min_speedup or min(self.min_speedup.values()) <= 0):
+            raise ValueError("gate.min_speedup: give a threshold > 0 for each concurrency level, e.g. {1: 1.2, 4: 1.0}")
+        return self
+
+    @property
+    def looks(self) -> int:
+        """How often the gate may decide: after min_rounds, then every rounds_per_look rounds up to max_rounds."""
+        return 1 + -(-(self.max_rounds - self.min_rounds) // self.rounds_per_look)
+
+    def min_speedup_at(self, concurrency: int) -> float:
+        """The threshold of the highest listed level <= concurrency (a step function; below every listed level,
+        the lowest one's), so overriding bench.concurrency never leaves a level without a threshold."""
+        if not isinstance(self.min_speedup, dict):
+            return self.min_speedup
+        levels = sorted(self.min_speedup)
+        return self.min_speedup[max([level for level in levels if level <= concurrency], default=levels[0])]
 
 
 class ServeConfig(Strict):

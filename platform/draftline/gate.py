@@ -1,35 +1,52 @@
 """`draftline gate`: bench a candidate drafter version, decide pass/fail against `cfg.gate`, record it in MLflow.
 
-Checks (all on the bench prompts, greedy, in one bench run that also runs the target alone and the champion):
-  accept_length   candidate accept length >= gate.min_accept_len            (lowest over concurrency levels)
-  speedup         candidate tok/s / target-only tok/s >= gate.min_speedup   (lowest over concurrency levels)
-  lossless        candidate outputs token-identical to the target's         (when gate.require_lossless)
-  champion        candidate accept length >= champion's + gate.champion_margin
-  p99_itl         candidate p99 inter-token latency <= champion's * gate.max_p99_latency_ratio (each level)
+The bench runs paired, interleaved rounds (bench/runner.py PairedRounds): the target alone, the candidate and the
+champion take turns on the same prompts at every concurrency level, greedy. Timed checks use confidence intervals
+(bench/stats.py: paired bootstrap over rounds and prompts); exact checks are counts and token comparisons:
+  accept_length   exact: candidate accept length >= gate.min_accept_len at every concurrency level
+  lossless        exact: every candidate output, every round, token-identical to the target's (gate.require_lossless)
+  champion        exact: candidate accept length >= champion's + gate.champion_margin
+  speedup@c       timed: candidate vs target-only tokens/s at concurrency c against gate.min_speedup (per level)
+  p99_itl@c       timed: candidate p99 inter-token latency / champion's at concurrency c <= gate.max_p99_latency_ratio
+A timed check passes when its whole interval is on the good side of the threshold, fails when it is wholly on the
+bad side, and is inconclusive otherwise. The gate looks after gate.min_rounds rounds; while no check failed and
+some check is inconclusive it adds gate.rounds_per_look rounds and looks again, up to gate.max_rounds. Each look uses confidence
+1 - (1 - gate.confidence) / looks (Bonferroni over the looks), so looking repeatedly does not inflate the error rate.
+A check still inconclusive at the budget fails the gate (the candidate did not show it clears the bar) and says so.
 The champion checks are skipped (and say so) when there is no champion or the candidate is the champion.
 
-Recorded: an MLflow run (tags draftline.kind=gate, model_version, gate) with the metrics and gate.json; on the
-version the tags gate=passed|failed, gate_reasons and gate_run_id. `draftline promote` reads the `gate` tag.
+Recorded: an MLflow run (tags draftline.kind=gate, model_version, gate, gate_verdict) with the metrics, intervals,
+rounds used and the machine load seen, and gate.json; on the version the tags gate=passed|failed, gate_reasons and
+gate_run_id. `draftline promote` reads the `gate` tag.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
-from draftline.bench.runner import BASELINE
+from draftline.bench.runner import BASELINE, LoadRow, gap_cells
+from draftline.bench.stats import percentile_ratio
 from draftline.config import DraftlineConfig, GateConfig
 from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_RUN_TAG, GATE_TAG
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
 
 @dataclass
 class Check:
     name: str
-    passed: bool
+    outcome: str  # PASS | FAIL | INCONCLUSIVE
     detail: str
+    interval: Optional[list[float]] = None  # [low, high] for timed checks
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == PASS
 
 
 @dataclass
@@ -39,7 +56,15 @@ class GateDecision:
     checks: list[Check] = field(default_factory=list)
     champion_version: Optional[str] = None
     run_id: Optional[str] = None
+    rounds: int = 0
     bench: dict = field(default_factory=dict, repr=False)  # the bench report the checks were made on
+
+    @property
+    def verdict(self) -> str:
+        """passed | failed | inconclusive (failed because a timed check stayed inconclusive at the round budget)."""
+        if self.passed:
+            return "passed"
+        return "failed" if any(c.outcome == FAIL for c in self.checks) else "inconclusive"
 
     def to_record(self) -> dict:
         """A compact summary for the pipeline's stage record and report (candidate at the lowest concurrency)."""
@@ -50,14 +75,19 @@ class GateDecision:
         return {
             "version": self.version,
             "passed": self.passed,
+            "verdict": self.verdict,
             "reasons": [c.detail for c in self.checks if not c.passed],
             "checks": {c.name: c.passed for c in self.checks},
+            "intervals": {c.name: c.interval for c in self.checks if c.interval is not None},
+            "rounds": self.rounds,
+            "machine_load": self.bench.get("machine_load"),
             "run_id": self.run_id,
             "champion_version": self.champion_version,
             "bench": {
                 "concurrency": first.get("concurrency"),
                 "accept_length": first.get("accept_length"),
                 "speedup": first.get("speedup"),
+                "speedup_ci": first.get("speedup_ci"),
                 "cpu_speedup": first.get("cpu_speedup"),
                 "tokens_per_s": first.get("output_tokens_per_s"),
                 "baseline_tokens_per_s": baseline.get("output_tokens_per_s"),
@@ -80,67 +110,142 @@ def _rows(report: dict, label: str) -> list[dict]:
     return [row for row in report["rows"] if row["label"] == label]
 
 
-def _lowest(rows: list[dict], key: str) -> float:
-    values = [row[key] for row in rows if row[key] is not None]
-    return min(values) if values else 0.0
+def timed_outcome(low: float, high: float, threshold: float, higher_is_better: bool) -> str:
+    """PASS when the interval clears the threshold, FAIL when it is wholly on the wrong side, else INCONCLUSIVE."""
+    if higher_is_better:
+        return PASS if low >= threshold else FAIL if high < threshold else INCONCLUSIVE
+    return PASS if high <= threshold else FAIL if low > threshold else INCONCLUSIVE
 
 
 def decide(gate: GateConfig, report: dict, candidate_label: str, champion_label: Optional[str]) -> list[Check]:
-    """The gate's checks over a bench report (see module doc); pure, so it is tested on synthetic reports."""
-    candidate = _rows(report, candidate_label)
+    """The gate's checks over a bench report (see module doc); pure, so it is tested on synthetic reports.
+
+    Timed inputs: each candidate row's speedup and speedup_ci; report["champion_p99_itl"][str(c)] = {"estimate",
+    "low", "high"} for the candidate/champion p99 ITL ratio at concurrency c (absent: nothing to compare).
+    """
+    candidate = sorted(_rows(report, candidate_label), key=lambda row: row["concurrency"])
     if not candidate:
         raise ValueError(f"bench report has no rows for {candidate_label!r}")
-    accept = _lowest(candidate, "accept_length")
-    speedup = _lowest(candidate, "speedup")
-    checks = [
-        Check("accept_length", accept >= gate.min_accept_len, f"accept length {accept:.2f} vs min {gate.min_accept_len}"),
-        Check("speedup", speedup >= gate.min_speedup, f"speedup {speedup:.2f}x vs min {gate.min_speedup}x"),
-    ]
+    accept = min(row["accept_length"] or 0.0 for row in candidate)
+    checks = [Check("accept_length", PASS if accept >= gate.min_accept_len else FAIL,
+                    f"accept length {accept:.2f} (lowest over concurrency levels) vs min {gate.min_accept_len}")]  # fmt: skip
+    for row in candidate:
+        level, threshold = row["concurrency"], gate.min_speedup_at(row["concurrency"])
+        low, high = row["speedup_ci"]
+        outcome = timed_outcome(low, high, threshold, higher_is_better=True)
+        checks.append(Check(f"speedup@{level}", outcome, f"speedup at concurrency {level} {row['speedup']:.2f}x, "
+                            f"interval [{low:.2f}, {high:.2f}] vs min {threshold}x: {outcome}", [low, high]))  # fmt: skip
     if gate.require_lossless:
         differing = [row["concurrency"] for row in candidate if row["lossless"] is not True]
         detail = "outputs token-identical to the target" if not differing else (
             f"outputs differ from the target's at concurrency {differing} (greedy must be lossless)"
         )
-        checks.append(Check("lossless", not differing, detail))
+        checks.append(Check("lossless", FAIL if differing else PASS, detail))
     if champion_label is None:
-        checks.append(Check("champion", True, "no other champion to compare with"))
+        checks.append(Check("champion", PASS, "no other champion to compare with"))
         return checks
-    champion = _rows(report, champion_label)
-    champion_accept = _lowest(champion, "accept_length")
+    champion_accept = min(row["accept_length"] or 0.0 for row in _rows(report, champion_label))
     checks.append(
         Check(
             "champion",
-            accept >= champion_accept + gate.champion_margin,
+            PASS if accept >= champion_accept + gate.champion_margin else FAIL,
             f"accept length {accept:.2f} vs champion {champion_accept:.2f} + margin {gate.champion_margin}",
         )
     )
-    champion_itl = {row["concurrency"]: row["itl_ms_p99"] for row in champion}
-    worst = None
-    for row in candidate:
-        base = champion_itl.get(row["concurrency"])
-        if row["itl_ms_p99"] is None or not base:
-            continue
-        ratio = row["itl_ms_p99"] / base
-        if worst is None or ratio > worst[0]:
-            worst = (ratio, row["concurrency"])
-    if worst is None:
-        checks.append(Check("p99_itl", True, "no inter-token latencies to compare"))
-    else:
-        checks.append(
-            Check(
-                "p99_itl",
-                worst[0] <= gate.max_p99_latency_ratio,
-                f"p99 ITL {worst[0]:.2f}x the champion's at concurrency {worst[1]} vs max {gate.max_p99_latency_ratio}x",
-            )
-        )
+    for level, ratio in sorted(report.get("champion_p99_itl", {}).items(), key=lambda item: int(item[0])):
+        outcome = timed_outcome(ratio["low"], ratio["high"], gate.max_p99_latency_ratio, higher_is_better=False)
+        checks.append(Check(
+            f"p99_itl@{level}", outcome,
+            f"p99 ITL at concurrency {level} {ratio['estimate']:.2f}x the champion's, interval "
+            f"[{ratio['low']:.2f}, {ratio['high']:.2f}] vs max {gate.max_p99_latency_ratio}x: {outcome}",
+            [ratio["low"], ratio["high"]],
+        ))  # fmt: skip
     return checks
+
+
+def look_schedule(gate: GateConfig) -> list[int]:
+    """Round counts at which the gate looks: min_rounds, then every rounds_per_look, and max_rounds last."""
+    looks = list(range(gate.min_rounds, gate.max_rounds, gate.rounds_per_look)) + [gate.max_rounds]
+    return sorted(set(looks))
+
+
+async def sequential_checks(
+    gate: GateConfig,
+    run_round: Callable[[], Awaitable[None]],
+    evaluate: Callable[[float], list[Check]],
+    log=print,
+) -> tuple[list[Check], int]:
+    """Add rounds and look (`evaluate(confidence)`) until no check is inconclusive or the budget is spent.
+
+    -> (checks of the last look, rounds run). A look where any check fails stops at once: more rounds cannot
+    turn the verdict into a pass.
+    """
+    schedule = look_schedule(gate)
+    per_look_confidence = 1 - (1 - gate.confidence) / len(schedule)
+    rounds = 0
+    checks: list[Check] = []
+    for look_at in schedule:
+        while rounds < look_at:
+            await run_round()
+            rounds += 1
+        checks = evaluate(per_look_confidence)
+        undecided = [c.name for c in checks if c.outcome == INCONCLUSIVE]
+        failed = [c.name for c in checks if c.outcome == FAIL]
+        log(f"[gate] look after {rounds} rounds (confidence {per_look_confidence:.4f}): "
+            + ("; ".join(f"{c.name} {c.outcome}" for c in checks)))  # fmt: skip
+        if not undecided or failed:
+            break
+    for check in checks:
+        if check.outcome == INCONCLUSIVE:
+            check.detail += f" after {rounds} rounds (gate.max_rounds {gate.max_rounds}): not shown to clear the threshold"
+    return checks, rounds
+
+
+def champion_p99_itl(rows: list[LoadRow], candidate_label: str, champion_label: str, confidence: float,
+                     samples: int, seed: int) -> dict:  # fmt: skip
+    """{str(concurrency): interval dict} of the candidate/champion p99 ITL ratio, paired over rounds and prompts."""
+    by_key = {(row.label, row.concurrency): row for row in rows}
+    out = {}
+    for (label, level), row in by_key.items():
+        if label != candidate_label:
+            continue
+        interval = percentile_ratio(gap_cells(row), gap_cells(by_key[(champion_label, level)]), 99, confidence, samples, seed)
+        if interval is not None:
+            out[str(level)] = interval.as_dict()
+    return out
+
+
+def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_label: Optional[str], log=print):
+    """The paired rounds of the gate with its looks -> (checks, rounds run, bench report of the last look)."""
+    from draftline.bench.cli import plan_bench
+
+    plan = plan_bench(cfg, candidates, sweep=False, temperature=0.0)
+    report: dict = {}
+
+    async def rounds():
+        nonlocal report
+        async with plan.paired_rounds(cfg, log) as paired:
+
+            def evaluate(confidence: float) -> list[Check]:
+                nonlocal report
+                rows = paired.rows(confidence, cfg.bench.bootstrap_samples)
+                report = plan.report(cfg, rows, confidence)
+                if champion_label is not None:
+                    report["champion_p99_itl"] = champion_p99_itl(
+                        rows, candidate_label, champion_label, confidence, cfg.bench.bootstrap_samples, cfg.seed
+                    )
+                return decide(cfg.gate, report, candidate_label, champion_label)
+
+            return await sequential_checks(cfg.gate, paired.run_round, evaluate, log)
+
+    checks, rounds_run = asyncio.run(rounds())
+    return checks, rounds_run, report
 
 
 def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> GateDecision:
     """Bench, decide and record the gate for `version` (default: the latest version of the registered model)."""
     import mlflow
 
-    from draftline.bench.cli import run_bench
     from draftline.registry import CHAMPION, RegistryError, get_version, latest_version, resolve_alias
     from draftline.tracking import mlflow_client
 
@@ -159,10 +264,9 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
         champion_label = f"champion-v{champion.version}"
         candidates.append((champion_label, champion.export_dir, champion.version))
     log(f"[gate] {cfg.registered_model_name} version {version}" + (f" vs champion {champion.version}" if champion else ""))
-    report = run_bench(cfg, candidates, sweep=False, temperature=0.0, log=log)
-    checks = decide(cfg.gate, report, candidate_label, champion_label)
+    checks, rounds, report = gate_bench(cfg, candidates, candidate_label, champion_label, log)
     decision = GateDecision(version, all(c.passed for c in checks), checks, champion.version if champion else None,
-                            bench=report)
+                            rounds=rounds, bench=report)  # fmt: skip
 
     client = mlflow_client(cfg)
     name = cfg.registered_model_name
@@ -175,6 +279,7 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
                 "model_version": version,
                 "champion_version": decision.champion_version or "",
                 GATE_TAG: outcome,
+                "gate_verdict": decision.verdict,
             }
         )
         mlflow.log_params({f"gate.{key}": value for key, value in cfg.gate.model_dump().items()})
@@ -182,10 +287,15 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
             for key in ("output_tokens_per_s", "speedup", "accept_length", "itl_ms_p99", "ttft_ms_p99"):
                 if row[key] is not None:
                     mlflow.log_metric(key, row[key], step=row["concurrency"])
+            mlflow.log_metric("speedup_ci_low", row["speedup_ci"][0], step=row["concurrency"])
+            mlflow.log_metric("speedup_ci_high", row["speedup_ci"][1], step=row["concurrency"])
         for check in checks:
-            mlflow.log_metric(f"check_{check.name}", float(check.passed))
-        mlflow.log_dict({"decision": {k: v for k, v in asdict(decision).items() if k != "bench"}, "reasons": decision.reasons,
-                         "bench": report}, "gate.json")
+            mlflow.log_metric(f"check_{check.name.replace('@', '_c')}", float(check.passed))
+        mlflow.log_metric("rounds", rounds)
+        for key, value in report["machine_load"].items():
+            mlflow.log_metric(f"machine_{key}", value)
+        mlflow.log_dict({"decision": {k: v for k, v in asdict(decision).items() if k != "bench"},
+                         "verdict": decision.verdict, "reasons": decision.reasons, "bench": report}, "gate.json")  # fmt: skip
     decision.run_id = run.info.run_id
     client.set_model_version_tag(name, version, GATE_TAG, outcome)
     client.set_model_version_tag(name, version, GATE_REASONS_TAG, decision.reasons)
@@ -220,8 +330,9 @@ def _gate_command(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     for check in decision.checks:
-        print(f"  [{'pass' if check.passed else 'FAIL'}] {check.name}: {check.detail}")
-    verdict = "PASSED" if decision.passed else "FAILED"
-    print(f"gate {verdict} for {cfg.registered_model_name} version {decision.version} (MLflow run {decision.run_id})")
-    print(json.dumps({"version": decision.version, "gate": verdict.lower(), "reasons": decision.reasons}))
+        print(f"  [{check.outcome.upper() if not check.passed else 'pass'}] {check.name}: {check.detail}")
+    print(f"gate {decision.verdict.upper()} for {cfg.registered_model_name} version {decision.version} after "
+          f"{decision.rounds} rounds (MLflow run {decision.run_id})")  # fmt: skip
+    print(json.dumps({"version": decision.version, "gate": "passed" if decision.passed else "failed",
+                      "verdict": decision.verdict, "rounds": decision.rounds, "reasons": decision.reasons}))  # fmt: skip
     return 0 if decision.passed else 1

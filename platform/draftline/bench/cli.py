@@ -15,10 +15,12 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftline.bench.runner import BASELINE, EngineSpec, bench_engines, format_table
+from draftline.bench.prompts import BenchPrompt
+from draftline.bench.runner import BASELINE, EngineSpec, LoadRow, PairedRounds, format_table, machine_load
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import SamplingParams
 
@@ -50,17 +52,40 @@ def best_per_concurrency(rows: list[dict]) -> dict[str, dict]:
     return best
 
 
-def run_bench(
-    cfg: DraftlineConfig,
-    candidates: list[tuple[str, Path, Optional[str]]],
-    sweep: bool = False,
-    temperature: float = 0.0,
-    log=print,
-) -> dict:
-    """Bench the target alone and each candidate (label, drafter export dir, model version) on the bench prompts.
+@dataclass
+class BenchPlan:
+    """What a bench run compares: the target alone first, then every candidate x speculative configuration."""
 
-    Returns the JSON report: {"rows": [...metrics per engine and concurrency...], "best": {...} (sweep only), ...}.
-    """
+    target_dir: Path
+    engines: list[EngineSpec]
+    prompts: list[BenchPrompt]
+    params: SamplingParams
+    candidates: list[tuple[str, Path, Optional[str]]]
+
+    def paired_rounds(self, cfg: DraftlineConfig, log=print) -> PairedRounds:
+        return PairedRounds(cfg, self.target_dir, self.engines, self.prompts, list(cfg.bench.concurrency), self.params, log)
+
+    def report(self, cfg: DraftlineConfig, rows: list[LoadRow], confidence: float) -> dict:
+        metrics = [row.metrics() for row in rows]
+        return {
+            "backend": cfg.engine.backend,
+            "device": cfg.engine.device,
+            "num_prompts": len(self.prompts),
+            "max_new_tokens": self.params.max_new_tokens,
+            "temperature": self.params.temperature,
+            "concurrency": list(cfg.bench.concurrency),
+            "rounds": rows[0].metrics()["rounds"],
+            "confidence": confidence,
+            "candidates": [{"label": label, "drafter_dir": str(d), "model_version": v} for label, d, v in self.candidates],
+            "machine_load": machine_load(rows),
+            "rows": metrics,
+        }
+
+
+def plan_bench(
+    cfg: DraftlineConfig, candidates: list[tuple[str, Path, Optional[str]]], sweep: bool = False, temperature: float = 0.0
+) -> BenchPlan:
+    """The target alone and each candidate (label, drafter export dir, model version) on the bench prompts."""
     from transformers import AutoTokenizer
 
     from draftline.bench.prompts import load_bench_prompts
@@ -78,20 +103,31 @@ def run_bench(
         for spec in speculative_grid(cfg, sweep):
             engines.append(EngineSpec(label, Path(drafter_dir), spec, version))
     params = SamplingParams(max_new_tokens=cfg.bench.max_new_tokens, temperature=temperature, seed=cfg.seed)
-    rows = asyncio.run(bench_engines(cfg, target_dir, engines, prompts, list(cfg.bench.concurrency), params, log))
-    metrics = [row.metrics() for row in rows]
-    report = {
-        "backend": cfg.engine.backend,
-        "device": cfg.engine.device,
-        "num_prompts": len(prompts),
-        "max_new_tokens": cfg.bench.max_new_tokens,
-        "temperature": temperature,
-        "concurrency": list(cfg.bench.concurrency),
-        "candidates": [{"label": label, "drafter_dir": str(d), "model_version": v} for label, d, v in candidates],
-        "rows": metrics,
-    }
+    return BenchPlan(target_dir, engines, prompts, params, candidates)
+
+
+def run_bench(
+    cfg: DraftlineConfig,
+    candidates: list[tuple[str, Path, Optional[str]]],
+    sweep: bool = False,
+    temperature: float = 0.0,
+    log=print,
+) -> dict:
+    """Bench the target alone and each candidate over bench.rounds paired rounds.
+
+    Returns the JSON report: {"rows": [...metrics per engine and concurrency...], "best": {...} (sweep only), ...}.
+    """
+    plan = plan_bench(cfg, candidates, sweep, temperature)
+
+    async def rounds() -> list[LoadRow]:
+        async with plan.paired_rounds(cfg, log) as paired:
+            for _ in range(cfg.bench.rounds):
+                await paired.run_round()
+            return paired.rows(cfg.bench.confidence, cfg.bench.bootstrap_samples)
+
+    report = plan.report(cfg, asyncio.run(rounds()), cfg.bench.confidence)
     if sweep:
-        report["best"] = best_per_concurrency(metrics)
+        report["best"] = best_per_concurrency(report["rows"])
     return report
 
 

@@ -11,25 +11,32 @@ Metrics (SGLang bench_serving's definitions):
                        counts server-side only (vLLM: `spec_counters()`), output tokens / its verify count (drafts)
                        over the load; its raw counters, own mean acceptance length (1 + accepted / drafts) and
                        per-position acceptance are in `engine_counters`
-  speedup              output_tokens_per_s / the target-only engine's at the same concurrency
+  speedup              tokens/s against the target-only engine at the same concurrency, over all rounds, as
+                       (sum tokens / sum request latency) per side (Little's law: proportional to tokens/s in a
+                       closed loop), with a paired bootstrap interval over rounds and prompts (bench/stats.py)
   decode_speedup       decode_tokens_per_s / the target-only engine's
   cpu_speedup          the output_tokens_per_s ratio on this process's CPU time (time.process_time) instead of wall time:
                        for in-process engines on a shared machine it ignores other processes' load
-  lossless             greedy only: every output is token-identical to the target-only engine's
+  lossless             greedy only: every output, in every round, is token-identical to the target-only engine's
+Rows pool every round (bench.rounds); rounds are paired and interleaved (PairedRounds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, Engine, SamplingParams, SpecStats
 
 from draftline.bench.prompts import BenchPrompt
+from draftline.bench.stats import Interval, throughput_ratio
 
 BASELINE = TARGET_ONLY  # the label of the bench row every speedup is relative to
 
@@ -61,38 +68,76 @@ class EngineSpec:
 
 
 @dataclass
+class LoadRun:
+    """One engine at one concurrency level in one round."""
+
+    requests: list[RequestResult] = field(repr=False)  # in prompt order
+    wall_s: float
+    cpu_s: float
+    load_avg_1m: float  # the machine's 1-minute load average when the run started
+    phase_seconds: Optional[dict] = None  # the engine's time per decoding phase during the run, where it counts them
+    engine_counters: Optional[Any] = None  # the engine's own speculative counters over the run (vLLM)
+
+
+@dataclass
 class LoadRow:
+    """One engine at one concurrency level, pooled over the rounds it ran."""
+
     label: str
     spec: str  # "steps/topk/draft_tokens" or "-"
     concurrency: int
-    requests: list[RequestResult] = field(repr=False)
-    wall_s: float = 0.0
-    cpu_s: float = 0.0
-    speedup: Optional[float] = None
+    runs: list[LoadRun] = field(repr=False)
+    speedup: Optional[Interval] = None
     cpu_speedup: Optional[float] = None
     decode_speedup: Optional[float] = None
     lossless: Optional[bool] = None
-    engine_counters: Optional[Any] = None  # the engine's own speculative counters over this load (vLLM)
+
+    @property
+    def engine_counters(self) -> Optional[Any]:
+        """The engine's own speculative counters summed over the rounds (vLLM), None for engines without them."""
+        counted = [run.engine_counters for run in self.runs]
+        if not counted or any(c is None for c in counted):
+            return None
+        total = counted[0]
+        for more in counted[1:]:
+            total = total.plus(more)
+        return total
+
+    @property
+    def requests(self) -> list[RequestResult]:
+        return [r for run in self.runs for r in run.requests]
+
+    def phase_seconds(self, wall_s: float) -> Optional[dict]:
+        """Seconds per decoding phase over all rounds (engines that count them), overhead = the rest of wall time."""
+        if any(run.phase_seconds is None for run in self.runs):
+            return None
+        total = {key: round(sum(run.phase_seconds[key] for run in self.runs), 4) for key in self.runs[0].phase_seconds}
+        counted = sum(value for key, value in total.items() if key != "steps")
+        return {**total, "overhead": round(wall_s - counted, 4)}
 
     def metrics(self) -> dict:
-        output_tokens = sum(len(r.output_ids) for r in self.requests)
+        requests = self.requests
+        wall_s = sum(run.wall_s for run in self.runs)
+        cpu_s = sum(run.cpu_s for run in self.runs)
+        output_tokens = sum(len(r.output_ids) for r in requests)
         stats = SpecStats()
-        for r in self.requests:
+        for r in requests:
             stats = stats.merge(r.stats)
-        gaps = [g for r in self.requests for g in r.chunk_gaps_s]
-        tpots = [(r.latency_s - r.ttft_s) / (len(r.output_ids) - 1) for r in self.requests if len(r.output_ids) > 1]
-        ttfts = [r.ttft_s for r in self.requests]
-        decode_tokens = sum(len(r.output_ids) - 1 for r in self.requests if r.output_ids)
-        decode_s = sum(r.latency_s - r.ttft_s for r in self.requests if r.output_ids)
+        gaps = [g for r in requests for g in r.chunk_gaps_s]
+        tpots = [(r.latency_s - r.ttft_s) / (len(r.output_ids) - 1) for r in requests if len(r.output_ids) > 1]
+        ttfts = [r.ttft_s for r in requests]
+        decode_tokens = sum(len(r.output_ids) - 1 for r in requests if r.output_ids)
+        decode_s = sum(r.latency_s - r.ttft_s for r in requests if r.output_ids)
         return {
             "label": self.label,
             "spec": self.spec,
             "concurrency": self.concurrency,
-            "requests": len(self.requests),
+            "rounds": len(self.runs),
+            "requests": len(self.runs[0].requests),
             "output_tokens": output_tokens,
-            "wall_s": round(self.wall_s, 4),
-            "output_tokens_per_s": round(output_tokens / self.wall_s, 2) if self.wall_s else 0.0,
-            "output_tokens_per_cpu_s": round(output_tokens / self.cpu_s, 2) if self.cpu_s else 0.0,
+            "wall_s": round(wall_s, 4),
+            "output_tokens_per_s": round(output_tokens / wall_s, 2) if wall_s else 0.0,
+            "output_tokens_per_cpu_s": round(output_tokens / cpu_s, 2) if cpu_s else 0.0,
             "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s else 0.0,
             "ttft_ms_p50": _ms(percentile(ttfts, 50)),
             "ttft_ms_p99": _ms(percentile(ttfts, 99)),
@@ -101,11 +146,16 @@ class LoadRow:
             "tpot_ms_p50": _ms(percentile(tpots, 50)),
             "accept_length": _accept_length(stats, self.engine_counters),
             "engine_counters": self.engine_counters.as_dict() if self.engine_counters is not None else None,
-            "speedup": round(self.speedup, 3) if self.speedup is not None else None,
+            "speedup": round(self.speedup.estimate, 3) if self.speedup is not None else None,
+            "speedup_ci": [round(self.speedup.low, 3), round(self.speedup.high, 3)] if self.speedup is not None else None,
             "cpu_speedup": round(self.cpu_speedup, 3) if self.cpu_speedup is not None else None,
             "decode_speedup": round(self.decode_speedup, 3) if self.decode_speedup is not None else None,
             "lossless": self.lossless,
-            "per_request_accept_lengths": [round(r.stats.accept_length, 3) for r in self.requests if r.stats.verify_steps],
+            "load_avg_1m": [min(run.load_avg_1m for run in self.runs), max(run.load_avg_1m for run in self.runs)],
+            "phase_s": self.phase_seconds(wall_s),
+            "per_request_accept_lengths": [
+                round(r.stats.accept_length, 3) for r in self.runs[0].requests if r.stats.verify_steps
+            ],
         }
 
 
@@ -151,83 +201,145 @@ async def run_request(engine: Engine, prompt: BenchPrompt, params: SamplingParam
     return RequestResult(prompt.id, output, (first or finished) - started, gaps, finished - started, stats)
 
 
-async def run_load(engine: Engine, prompts: list[BenchPrompt], concurrency: int, params: SamplingParams):
-    """All prompts, at most `concurrency` in flight -> (results in prompt order, wall seconds, CPU seconds)."""
+async def run_load(engine: Engine, prompts: list[BenchPrompt], concurrency: int, params: SamplingParams) -> LoadRun:
+    """All prompts, at most `concurrency` in flight."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(prompt: BenchPrompt) -> RequestResult:
         async with gate:
             return await run_request(engine, prompt, params)
 
+    load_avg_1m = os.getloadavg()[0]
+    phases = getattr(engine, "phase_seconds", None)
+    before = dict(phases) if phases is not None else None
     started, started_cpu = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*(one(p) for p in prompts))
-    return list(results), time.perf_counter() - started, time.process_time() - started_cpu
+    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
+    spent = {key: phases[key] - before[key] for key in phases} if phases is not None else None
+    return LoadRun(list(results), wall_s, cpu_s, load_avg_1m, spent)
 
 
-async def bench_engines(
-    cfg: DraftlineConfig,
-    target_dir: Path,
-    engines: list[EngineSpec],
-    prompts: list[BenchPrompt],
-    concurrency_levels: list[int],
-    params: SamplingParams,
-    log=print,
-) -> list[LoadRow]:
-    """Run every engine (one at a time: SGLang engines share a port) over every concurrency level.
+def request_cells(row: LoadRow) -> tuple[np.ndarray, np.ndarray]:
+    """[rounds, prompts] output tokens and request latencies (the cells of stats.throughput_ratio)."""
+    tokens = np.array([[len(r.output_ids) for r in run.requests] for run in row.runs], dtype=np.float64)
+    seconds = np.array([[r.latency_s for r in run.requests] for run in row.runs], dtype=np.float64)
+    return tokens, seconds
 
-    The first engine must be the target-only baseline: speedups and losslessness are relative to it.
-    With bench.rounds > 1 the whole sequence repeats and each row keeps its fastest round, so a burst of
-    load on a shared machine does not favour whichever engine ran at a quiet moment.
+
+def gap_cells(row: LoadRow) -> list[list[list[float]]]:
+    return [[r.chunk_gaps_s for r in run.requests] for run in row.runs]
+
+
+class PairedRounds:
+    """Paired, interleaved rounds: each round runs every engine on the same prompts at every concurrency level.
+
+    Within a round the engines take turns at each level (target alone, candidate, champion, then the next level),
+    and the order rotates from round to round, so a slow stretch of the machine hits every engine about equally.
+    Reference engines stay loaded for the whole run; other backends (SGLang: one port, minutes to start) run
+    one engine at a time per round. The first engine must be the target-only baseline.
+    Use as `async with PairedRounds(...) as paired: await paired.run_round(); paired.rows(...)`.
     """
-    from draftline.engines import make_engine
 
-    if not engines or engines[0].drafter_dir is not None:
-        raise ValueError("bench_engines: the first engine must be the target-only baseline (drafter_dir None)")
-    fastest: dict[tuple[str, str, int], LoadRow] = {}
-    for round_index in range(cfg.bench.rounds):
-        for spec in engines:
-            engine = make_engine(cfg, target_dir, spec.drafter_dir, spec.model_version, speculative=spec.speculative)
-            await engine.start()
-            try:
-                await run_request(engine, prompts[0], SamplingParams(max_new_tokens=4))  # warm-up
-                counters = getattr(engine, "spec_counters", None) if spec.drafter_dir is not None else None
-                for concurrency in concurrency_levels:
-                    before = await counters() if counters is not None else None
-                    results, wall_s, cpu_s = await run_load(engine, prompts, concurrency, params)
-                    row = LoadRow(spec.label, spec.spec_text(), concurrency, results, wall_s, cpu_s)
-                    if before is not None:
-                        row.engine_counters = (await counters()).minus(before)
-                    key = (row.label, row.spec, concurrency)
-                    if key not in fastest or row.wall_s < fastest[key].wall_s:
-                        fastest[key] = row
-                    m = row.metrics()
-                    log(
-                        f"[bench] round {round_index + 1}/{cfg.bench.rounds} {spec.label} ({row.spec}) c={concurrency}: "
-                        f"{m['output_tokens_per_s']} tok/s, accept {m['accept_length']}, itl p50 {m['itl_ms_p50']} ms"
-                    )
-            finally:
-                await engine.stop()
-    rows = list(fastest.values())
-    baseline = {row.concurrency: row for row in rows if row.label == engines[0].label}
-    for row in rows:
-        base = baseline[row.concurrency]
-        base_metrics, row_metrics = base.metrics(), row.metrics()
-        ratios = (
-            ("speedup", "output_tokens_per_s"),
-            ("cpu_speedup", "output_tokens_per_cpu_s"),
-            ("decode_speedup", "decode_tokens_per_s"),
-        )
-        for attribute, key in ratios:
-            setattr(row, attribute, row_metrics[key] / base_metrics[key] if base_metrics[key] else None)
-        if params.temperature == 0:
-            row.lossless = all(a.output_ids == b.output_ids for a, b in zip(row.requests, base.requests))
-    return rows
+    def __init__(self, cfg: DraftlineConfig, target_dir: Path, engines: list[EngineSpec], prompts: list[BenchPrompt],
+                 concurrency_levels: list[int], params: SamplingParams, log=print) -> None:  # fmt: skip
+        if not engines or engines[0].drafter_dir is not None:
+            raise ValueError("PairedRounds: the first engine must be the target-only baseline (drafter_dir None)")
+        self.cfg, self.target_dir, self.engines, self.prompts = cfg, target_dir, engines, prompts
+        self.levels, self.params, self.log = concurrency_levels, params, log
+        self.keep_loaded = cfg.engine.backend == "reference"
+        self.loaded: dict[int, Engine] = {}
+        self.runs: dict[int, dict[int, list[LoadRun]]] = {i: {c: [] for c in concurrency_levels} for i in range(len(engines))}
+        self.rounds = 0
+
+    async def __aenter__(self) -> "PairedRounds":
+        if self.keep_loaded:
+            for index in range(len(self.engines)):
+                self.loaded[index] = await self._start(index)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for engine in self.loaded.values():
+            await engine.stop()
+        self.loaded.clear()
+
+    async def _start(self, index: int) -> Engine:
+        from draftline.engines import make_engine
+
+        spec = self.engines[index]
+        engine = make_engine(self.cfg, self.target_dir, spec.drafter_dir, spec.model_version, speculative=spec.speculative)
+        await engine.start()
+        await run_request(engine, self.prompts[0], SamplingParams(max_new_tokens=4))  # warm-up
+        return engine
+
+    async def _run(self, index: int, engine: Engine, concurrency: int) -> None:
+        spec = self.engines[index]
+        counters = getattr(engine, "spec_counters", None) if spec.drafter_dir is not None else None
+        before = await counters() if counters is not None else None
+        run = await run_load(engine, self.prompts, concurrency, self.params)
+        if before is not None:
+            run.engine_counters = (await counters()).minus(before)
+        self.runs[index][concurrency].append(run)
+        tokens = sum(len(r.output_ids) for r in run.requests)
+        self.log(f"[bench] round {self.rounds + 1} {spec.label} ({spec.spec_text()}) c={concurrency}: "
+                 f"{tokens / run.wall_s:.1f} tok/s, load {run.load_avg_1m:.2f}")  # fmt: skip
+
+    async def run_round(self) -> None:
+        shift = self.rounds % len(self.engines)
+        order = list(range(len(self.engines)))[shift:] + list(range(len(self.engines)))[:shift]
+        if self.keep_loaded:
+            for concurrency in self.levels:
+                for index in order:
+                    await self._run(index, self.loaded[index], concurrency)
+        else:
+            for index in order:
+                engine = await self._start(index)
+                try:
+                    for concurrency in self.levels:
+                        await self._run(index, engine, concurrency)
+                finally:
+                    await engine.stop()
+        self.rounds += 1
+
+    def rows(self, confidence: float, bootstrap_samples: int) -> list[LoadRow]:
+        """Every engine and level pooled over the rounds so far; speedups (with intervals) against the baseline."""
+        rows = {
+            (index, c): LoadRow(spec.label, spec.spec_text(), c, self.runs[index][c])
+            for index, spec in enumerate(self.engines) for c in self.levels
+        }  # fmt: skip
+        for (index, concurrency), row in rows.items():
+            if index == 0:
+                continue
+            base = rows[(0, concurrency)]
+            row.speedup = throughput_ratio(*request_cells(row), *request_cells(base), confidence, bootstrap_samples,
+                                           seed=self.cfg.seed)  # fmt: skip
+            base_metrics, row_metrics = base.metrics(), row.metrics()
+            for attribute, key in (("cpu_speedup", "output_tokens_per_cpu_s"), ("decode_speedup", "decode_tokens_per_s")):
+                setattr(row, attribute, row_metrics[key] / base_metrics[key] if base_metrics[key] else None)
+            if self.params.temperature == 0:
+                row.lossless = all(
+                    a.output_ids == b.output_ids
+                    for run, base_run in zip(row.runs, base.runs) for a, b in zip(run.requests, base_run.requests)
+                )  # fmt: skip
+        return list(rows.values())
+
+
+def machine_load(rows: list[LoadRow]) -> dict:
+    """The load seen during the runs: 1-minute load average, and this process's CPU time per wall second."""
+    runs = [run for row in rows for run in row.runs]
+    loads = [run.load_avg_1m for run in runs]
+    return {
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m_min": round(min(loads), 2),
+        "load_avg_1m_mean": round(sum(loads) / len(loads), 2),
+        "load_avg_1m_max": round(max(loads), 2),
+        "cpu_s_per_wall_s": round(sum(run.cpu_s for run in runs) / sum(run.wall_s for run in runs), 3),
+    }
 
 
 def format_table(rows: list[dict]) -> str:
     columns = [
         ("label", "engine"), ("spec", "steps/topk/draft"), ("concurrency", "conc"), ("output_tokens_per_s", "tok/s"),
-        ("speedup", "speedup"), ("decode_speedup", "decode speedup"), ("cpu_speedup", "cpu speedup"),
+        ("speedup", "speedup"), ("speedup_ci", "speedup interval"), ("decode_speedup", "decode speedup"), ("cpu_speedup", "cpu speedup"),
         ("accept_length", "accept"), ("ttft_ms_p50", "ttft p50 ms"), ("ttft_ms_p99", "ttft p99 ms"),
         ("itl_ms_p50", "itl p50 ms"), ("itl_ms_p99", "itl p99 ms"), ("lossless", "lossless"),
     ]  # fmt: skip

@@ -26,14 +26,20 @@ from q. Chains sample their drafts from the drafter (p = draft probabilities); t
 deterministically, so p is one-hot at the draft (accept with q(x), remove x from q on rejection). Either way each
 emitted token is distributed exactly as the target's q.
 
-Concurrency: every request keeps its own caches; an asyncio lock lets one decode step (of one request) use the
-model at a time, in a worker thread so the event loop stays responsive. Concurrent requests therefore interleave
-step by step (fair streaming, no batching): throughput does not grow with concurrency, latency does.
+Continuous batching: one scheduler loop (`_schedule`) owns the model. Between steps, new requests join
+(prefill alone, then their KV cache becomes a row of the running `TargetBatch`) and finished or cancelled ones
+leave. A step drafts for each running request, then verifies all of them in one target forward: each row holds
+its tree (root first) padded to the widest, with its own positions and a mask that lets it see only its valid
+cache slots plus its ancestors. Rejected drafts' slots stay masked instead of being cropped; the batch compacts
+when a column is unused by every row. Each request keeps its own sampling generator, so a seeded request draws
+the same tokens at any concurrency. Targets whose HF cache is not plain full attention step one request at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Optional
@@ -43,6 +49,12 @@ import torch
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
 from draftline.target.aux_layers import capture_id_problems
+
+
+def new_phase_seconds() -> dict[str, float]:
+    """prefill, draft (drafting + drafter extend), verify (the batched target forward), accept (acceptance, cache
+    bookkeeping); "steps" counts decode steps. Overhead = wall time minus these."""
+    return {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "accept": 0.0, "steps": 0}
 
 
 # ---------------------------------------------------------------------------------------------- probabilities
@@ -68,20 +80,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 # ------------------------------------------------------------------------------------------------ target side
 
 
-def keep_cache_positions(cache, keep: torch.Tensor | int) -> None:
-    """Keep only some entries of a transformers DynamicCache: the first `keep` (int) or those at index `keep`.
-
-    Works on the layers' key/value tensors directly: `DynamicCache.crop`'s argument changed meaning across
-    transformers releases.
-    """
-    for layer in cache.layers:
-        if isinstance(keep, int):
-            layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
-        else:
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
-
-
 @torch.no_grad()
 def target_forward(
     model,
@@ -91,7 +89,7 @@ def target_forward(
     aux_layer_ids: Optional[list[int]],
     attention_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Target forward with KV cache -> (logits [T, V], aux states [T, n_aux*H] or None).
+    """Target forward with KV cache -> (logits [B, T, V], aux states [B, T, n_aux*H] or None).
 
     The aux states are exactly what `draftline.target.capture.capture_aux_hidden` feeds the drafter
     (`hidden_states[i + 1]` per aux layer id i, concatenated in order); tests pin the two together.
@@ -105,26 +103,110 @@ def target_forward(
         output_hidden_states=aux_layer_ids is not None,
         return_dict=True,
     )
-    logits = model.lm_head(outputs.last_hidden_state)[0]
+    logits = model.lm_head(outputs.last_hidden_state)
     aux = None
     if aux_layer_ids is not None:
-        aux = torch.cat([outputs.hidden_states[layer_id + 1] for layer_id in aux_layer_ids], dim=-1)[0]
+        aux = torch.cat([outputs.hidden_states[layer_id + 1] for layer_id in aux_layer_ids], dim=-1)
     return logits, aux
 
 
-def tree_attention_mask(parents: list[int], past_length: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask [1, 1, N, past+N] for verifying N tree nodes (node 0 is the root, parents[0] == -1):
-    every node sees the cached prefix, its ancestors and itself."""
-    num_nodes = len(parents)
-    allowed = torch.zeros(num_nodes, past_length + num_nodes, dtype=torch.bool, device=device)
-    allowed[:, :past_length] = True
-    for node in range(num_nodes):
-        ancestor = node
+def tree_allowed(parents: list[int], size: int, device) -> torch.Tensor:
+    """[size, size] bool: node i sees its ancestors and itself (node 0 is the root, parents[0] == -1).
+    A chain is the causal mask. Rows past len(parents) are padding and see only themselves."""
+    allowed = torch.eye(size, dtype=torch.bool, device=device)
+    for node in range(len(parents)):
+        ancestor = parents[node]
         while ancestor != -1:
-            allowed[node, past_length + ancestor] = True
+            allowed[node, ancestor] = True
             ancestor = parents[ancestor]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return allowed
+
+
+def batchable_cache(cache) -> bool:
+    """Whether the HF cache is made of plain full-attention key/value layers [B, heads, S, D] (Llama, Qwen3, MoE,
+    MLA as transformers implements them): those can share one batched cache with a slot-validity mask.
+    Anything else (sliding-window or linear-attention layers) runs one sequence per batch."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
+
+
+class TargetBatch:
+    """The target KV cache of running sequences: one HF DynamicCache, one row per sequence, and `valid` [B, S]
+    marking which slots hold committed tokens. A verify appends T slots to every row; the slots of rejected
+    drafts stay invalid (masked) instead of being cropped, and `compact` packs every row's valid slots to the
+    left once a column is unused by every row. Positions are per row (RoPE is applied before caching), so a
+    slot's index need not equal its position."""
+
+    def __init__(self) -> None:
+        self.cache = None
+        self.valid: Optional[torch.Tensor] = None  # [B, S] bool
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[0]
+
+    def add(self, cache) -> None:
+        """Append a prefilled single-sequence cache (every slot valid) as the last row."""
+        length = cache.layers[0].keys.shape[2]
+        valid = torch.ones(1, length, dtype=torch.bool, device=cache.layers[0].keys.device)
+        if self.cache is None:
+            self.cache, self.valid = cache, valid
+            return
+        width = max(self.valid.shape[1], length)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_pad_slots(mine.keys, width), _pad_slots(theirs.keys, width)])
+            mine.values = torch.cat([_pad_slots(mine.values, width), _pad_slots(theirs.values, width)])
+        self.valid = torch.cat([_pad_slots(self.valid, width), _pad_slots(valid, width)])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if not rows:
+            self.cache = self.valid = None
+            return
+        index = torch.tensor(rows, device=self.valid.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        self.valid = self.valid.index_select(0, index)
+
+    def forward(self, model, ids, positions, new_allowed, aux_layer_ids):
+        """Every row's new tokens [B, T] in one forward; row b sees its valid slots and new_allowed[b] [T, T]."""
+        batch, length = ids.shape
+        allowed = torch.cat([self.valid[:, None, :].expand(batch, length, -1), new_allowed], dim=-1)
+        dtype = model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        logits, aux = target_forward(model, ids, positions, self.cache, aux_layer_ids, mask[:, None])
+        self.valid = torch.cat([self.valid, torch.zeros(batch, length, dtype=torch.bool, device=ids.device)], dim=1)
+        return logits, aux
+
+    def commit(self, row: int, new_slots: list[int], num_new: int) -> None:
+        """Mark slots of the last forward (indices into its T new tokens) as committed for `row`."""
+        first = self.valid.shape[1] - num_new
+        self.valid[row, [first + i for i in new_slots]] = True
+
+    def compact(self) -> None:
+        counts = self.valid.sum(dim=1)
+        width = int(counts.max())
+        if width == self.valid.shape[1]:
+            return
+        # stable sort puts each row's valid slots first, in slot order
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, index)
+            index = order[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+            layer.values = layer.values.gather(2, index)
+        self.valid = torch.arange(width, device=counts.device)[None] < counts[:, None]
+
+
+def _pad_slots(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad dim 2 (keys/values [B, heads, S, D]) or dim 1 (valid [B, S]) with zeros/False up to width."""
+    dim = 2 if x.dim() == 4 else 1
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 # ----------------------------------------------------------------------------------------------- draft side
@@ -164,16 +246,29 @@ def draft_probs_in_target_vocab(drafter, draft_logits: torch.Tensor, temperature
 
 @dataclass
 class Sequence:
-    """One request's decoding state."""
+    """One request's decoding state; its target KV lives in a row of the running TargetBatch."""
 
     tokens: list[int]  # prompt + emitted
     prompt_length: int
-    target_cache: object
+    params: SamplingParams
+    stop_ids: set[int]
     generator: torch.Generator
     draft_cache: object = None  # DrafterKVCache
     draft_logits: Optional[torch.Tensor] = None  # [Vd] drafter logits at position L-2 (predicts x_L)
     draft_hidden: Optional[torch.Tensor] = None  # [H] drafter hidden_out at position L-2
+    pending_drafts: int = 0  # how many of the newest committed tokens are accepted drafts (the rest: bonus/prefill)
     stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class _Request:
+    """A request inside the scheduler: its sequence and the queue its chunks stream through."""
+
+    sequence: Sequence
+    chunks: asyncio.Queue
+    text: "_IncrementalText"
+    cancelled: bool = False
+    batch: "TargetBatch" = field(default_factory=lambda: TargetBatch())  # own row, only for an unbatchable target
 
 
 class ReferenceEngine:
@@ -198,7 +293,13 @@ class ReferenceEngine:
         self.model = self.tokenizer = self.drafter = None
         self.stop_token_ids: set[int] = set()
         self.max_positions = 0
-        self._lock = asyncio.Lock()
+        self.batchable: Optional[bool] = None  # whether the target's cache can hold many sequences (first prefill)
+        self._batch = TargetBatch()  # the running requests' target KV, one row each
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []  # in TargetBatch row order
+        self._wake = asyncio.Event()
+        self._scheduler: Optional[asyncio.Task] = None
+        self.phase_seconds = new_phase_seconds()  # time in each phase of decoding, for benchmarks/engines.py
         _check_speculative(self.spec)
 
     # -------------------------------------------------------------------------------------------- lifecycle
@@ -217,17 +318,41 @@ class ReferenceEngine:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config is not None else None
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.stop_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.batchable = self._probe_batchable()
         if self.drafter_dir is not None:
             from draftline.drafter.export import load_drafter
 
             self.drafter = load_drafter(self.drafter_dir, device=self.device)
             _check_drafter_fits_target(self.drafter, self.model, self.drafter_dir)
 
+    @torch.no_grad()
+    def _probe_batchable(self) -> bool:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        target_forward(self.model, ids, ids, cache, None)
+        if batchable_cache(cache):
+            return True
+        warnings.warn(
+            f"target {self.target_dir}: its KV cache layers ({sorted({type(layer).__name__ for layer in cache.layers})}) "
+            "are not plain full-attention layers; the reference engine steps one request at a time (no batching)",
+            stacklevel=2,
+        )
+        return False
+
     async def health(self) -> bool:
         return self.model is not None
 
     async def stop(self) -> None:
         self.model = self.drafter = None
+        for request in self._running + self._waiting:
+            request.chunks.put_nowait(RuntimeError("the engine stopped before the request finished"))
+        self._running, self._waiting = [], []
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            self._scheduler = None
+        self._batch = TargetBatch()
 
     # ------------------------------------------------------------------------------------------ generation
 
@@ -235,77 +360,183 @@ class ReferenceEngine:
         if self.model is None:
             raise RuntimeError("ReferenceEngine.generate before start(): await engine.start() first")
         _check_request(prompt_ids, params, self.max_positions, int(self.model.config.vocab_size))
-        stop_ids = self.stop_token_ids | set(params.stop_token_ids)
-        async with self._lock:
-            sequence = await asyncio.to_thread(self.prefill, prompt_ids, params)
-        detok = _IncrementalText(self.tokenizer)
-        pending = sequence.tokens[sequence.prompt_length :]
-        while True:
-            emitted, finish_reason = self._cut(pending, sequence, params, stop_ids)
-            finished = finish_reason is not None
-            if finished:
-                sequence.stats.output_tokens = len(sequence.tokens) - sequence.prompt_length
-            yield GenerationChunk(
-                token_ids=emitted,
-                text=detok.push(emitted, final=finished),
-                finished=finished,
-                finish_reason=finish_reason,
-                stats=SpecStats(**vars(sequence.stats)) if finished else None,
-            )
-            if finished:
-                return
-            async with self._lock:
-                pending = await asyncio.to_thread(self.step, sequence, params)
+        request = _Request(self._new_sequence(prompt_ids, params), asyncio.Queue(), _IncrementalText(self.tokenizer))
+        self._waiting.append(request)
+        if self._scheduler is None or self._scheduler.done():
+            # one scheduler per event loop (asyncio.run in tests and benchmarks makes a new loop each time); rows
+            # of requests left behind by an earlier loop are dropped with it
+            self._wake = asyncio.Event()
+            self._running, self._batch = [], TargetBatch()
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+        self._wake.set()
+        try:
+            while True:
+                chunk = await request.chunks.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            request.cancelled = True  # a client that stops reading frees its row at the next step
+
+    async def _schedule(self) -> None:
+        """The scheduler loop: between steps, waiting requests join (prefill) and finished or cancelled ones
+        leave; each step advances every running request with one batched target forward (in a worker thread,
+        so the event loop keeps streaming)."""
+        while self.model is not None:
+            live = [row for row, request in enumerate(self._running) if not request.cancelled]
+            if len(live) < len(self._running):
+                if self.batchable:
+                    self._batch.keep_rows(live)
+                self._running = [self._running[row] for row in live]
+            joining, self._waiting = [r for r in self._waiting if not r.cancelled], []
+            if not self._running and not joining:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                events = await asyncio.to_thread(self._advance, self._running, joining)
+            except Exception as err:  # noqa: BLE001 - every waiting client gets the error, the loop keeps serving
+                for request in self._running + joining:
+                    request.chunks.put_nowait(err)
+                self._running, self._batch = [], TargetBatch()
+                continue
+            for request, chunk in events:
+                request.chunks.put_nowait(chunk)
+            finished = {id(request) for request, chunk in events if chunk.finished}
+            self._running = [r for r in self._running + joining if id(r) not in finished]
+
+    def _advance(self, running: list["_Request"], joining: list["_Request"]) -> list[tuple["_Request", GenerationChunk]]:
+        """One scheduler step: a decode step for `running` (rows 0.. of the batch), then prefill for `joining`
+        (their first token streams now; they decode from the next step). Finished rows leave the batch.
+        A target whose cache cannot be batched steps each request alone, in its own one-row batch."""
+        events = []
+        with torch.no_grad():
+            if running and self.batchable:
+                committed = self._step_batch([r.sequence for r in running], self._batch)
+                events += [(r, self._chunk(r, pending)) for r, pending in zip(running, committed)]
+                self._batch.keep_rows([row for row, (_, chunk) in enumerate(events) if not chunk.finished])
+            for request in running if not self.batchable else []:
+                events.append((request, self._chunk(request, self._step_batch([request.sequence], request.batch)[0])))
+            for request in joining:
+                batch = self._batch if self.batchable else request.batch
+                self._prefill(request.sequence, batch)
+                chunk = self._chunk(request, request.sequence.tokens[request.sequence.prompt_length :])
+                if chunk.finished:
+                    batch.keep_rows(list(range(batch.rows - 1)))
+                events.append((request, chunk))
+        return events
+
+    def _chunk(self, request: "_Request", pending: list[int]) -> GenerationChunk:
+        sequence = request.sequence
+        emitted, finish_reason = self._cut(pending, sequence)
+        finished = finish_reason is not None
+        if finished:
+            sequence.stats.output_tokens = len(sequence.tokens) - sequence.prompt_length
+        return GenerationChunk(
+            token_ids=emitted,
+            text=request.text.push(emitted, final=finished),
+            finished=finished,
+            finish_reason=finish_reason,
+            stats=SpecStats(**vars(sequence.stats)) if finished else None,
+        )
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], SpecStats]:
-        """Synchronous whole-request generation (tests, benchmarks): -> (output ids, stats)."""
-        stop_ids = self.stop_token_ids | set(params.stop_token_ids)
-        sequence = self.prefill(prompt_ids, params)
-        pending = sequence.tokens[sequence.prompt_length :]
-        while self._cut(pending, sequence, params, stop_ids)[1] is None:
-            pending = self.step(sequence, params)
+        """Synchronous whole-request generation, one sequence alone (tests, benchmarks): -> (output ids, stats)."""
+        sequence = self._new_sequence(prompt_ids, params)
+        batch = TargetBatch()
+        with torch.no_grad():
+            self._prefill(sequence, batch)
+            pending = sequence.tokens[sequence.prompt_length :]
+            while self._cut(pending, sequence)[1] is None:
+                pending = self._step_batch([sequence], batch)[0]
         sequence.stats.output_tokens = len(sequence.tokens) - sequence.prompt_length
         return sequence.tokens[sequence.prompt_length :], sequence.stats
 
-    @torch.no_grad()
-    def prefill(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Target forward over the prompt; emits the first token; primes the drafter on the prompt."""
-        from transformers import DynamicCache
-
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ())))
-        sequence = Sequence(list(prompt_ids), len(prompt_ids), DynamicCache(config=self.model.config), generator)
-        ids = torch.tensor([prompt_ids], device=self.device)
-        positions = torch.arange(len(prompt_ids), device=self.device)[None]
-        logits, aux = target_forward(self.model, ids, positions, sequence.target_cache, self._aux_layer_ids())
-        sequence.tokens.append(self._pick(logits[-1], params, generator))
+        stop_ids = self.stop_token_ids | set(params.stop_token_ids)
+        return Sequence(list(prompt_ids), len(prompt_ids), params, stop_ids, generator)
+
+    def _prefill(self, sequence: Sequence, batch: TargetBatch) -> None:
+        """Target forward over the prompt (its own cache, then a new row of `batch`); emits the first token;
+        primes the drafter on the prompt."""
+        from transformers import DynamicCache
+
+        started = time.perf_counter()
+        prompt = sequence.tokens
+        cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([prompt], device=self.device)
+        positions = torch.arange(len(prompt), device=self.device)[None]
+        logits, aux = target_forward(self.model, ids, positions, cache, self._aux_layer_ids())
+        sequence.tokens.append(self._pick(logits[0, -1], sequence.params, sequence.generator))
+        batch.add(cache)
         if self.drafter is not None:
             from draftline.drafter.model import DrafterKVCache
 
             sequence.draft_cache = DrafterKVCache()
-            self._draft_extend(sequence, aux, start_position=0)
-        return sequence
+            self._draft_extend(sequence, aux[0], start_position=0)
+        self.phase_seconds["prefill"] += time.perf_counter() - started
 
-    @torch.no_grad()
-    def step(self, sequence: Sequence, params: SamplingParams) -> list[int]:
-        """One decode step; returns the newly committed tokens (1 for target-only, accepted + bonus otherwise)."""
+    def _step_batch(self, sequences: list[Sequence], batch: TargetBatch) -> list[list[int]]:
+        """One decode step for every sequence (row i of `batch`) -> the tokens each
+        committed (1 for target-only; accepted drafts + bonus otherwise). Drafting is per sequence; the verify
+        of all rows is one target forward: row b holds its tree (root first), padded to the widest tree."""
+        started = time.perf_counter()
         if self.drafter is None:
+            trees = [DraftTree([s.tokens[-1]], [-1], [None]) for s in sequences]
+        else:
+            trees = [self._draft(s, s.params) for s in sequences]
+        drafted = time.perf_counter()
+        width = max(len(tree.tokens) for tree in trees)
+        ids = torch.zeros(len(trees), width, dtype=torch.long)
+        positions = torch.zeros(len(trees), width, dtype=torch.long)
+        allowed = torch.zeros(len(trees), width, width, dtype=torch.bool)
+        for row, (sequence, tree) in enumerate(zip(sequences, trees)):
+            size = len(tree.tokens)
+            ids[row, :size] = torch.tensor(tree.tokens)
             root_position = len(sequence.tokens) - 1
-            ids = torch.tensor([[sequence.tokens[-1]]], device=self.device)
-            positions = torch.tensor([[root_position]], device=self.device)
-            logits, _ = target_forward(self.model, ids, positions, sequence.target_cache, None)
-            token = self._pick(logits[-1], params, sequence.generator)
-            sequence.tokens.append(token)
-            return [token]
-        tree = self._draft(sequence, params)
-        return self._verify_and_accept(sequence, tree, params)
+            positions[row] = root_position
+            positions[row, :size] = root_position + torch.tensor(tree.depths())
+            allowed[row] = tree_allowed(tree.parents, width, "cpu")
+        logits, aux = batch.forward(
+            self.model, ids.to(self.device), positions.to(self.device), allowed.to(self.device), self._aux_layer_ids()
+        )
+        verified = time.perf_counter()
+        extend_s = 0.0
+        committed = []
+        for row, (sequence, tree) in enumerate(zip(sequences, trees)):
+            path, bonus = _accept(tree, logits[row, : len(tree.tokens)], sequence.params, sequence.generator)
+            kept = [0] + path  # the root and the accepted nodes become committed slots
+            batch.commit(row, kept, width)
+            accepted = [tree.tokens[node] for node in path]
+            past_length = len(sequence.tokens) - 1
+            sequence.tokens.extend(accepted + [bonus])
+            if self.drafter is not None:
+                sequence.stats.verify_steps += 1
+                sequence.stats.accepted_draft_tokens += len(accepted)
+                sequence.pending_drafts = len(accepted)
+                sequence.draft_cache.crop(past_length)
+                extend_started = time.perf_counter()
+                self._draft_extend(sequence, aux[row, kept], start_position=past_length)
+                extend_s += time.perf_counter() - extend_started
+            committed.append(accepted + [bonus])
+        batch.compact()
+        phases = self.phase_seconds
+        phases["draft"] += drafted - started + extend_s
+        phases["verify"] += verified - drafted
+        phases["accept"] += time.perf_counter() - verified - extend_s
+        phases["steps"] += 1
+        return committed
 
     # ---------------------------------------------------------------------------------------------- pieces
 
-    def _cut(self, pending: list[int], sequence: Sequence, params: SamplingParams, stop_ids: set[int]):
+    def _cut(self, pending: list[int], sequence: Sequence):
         # the next step may write this many positions past the last committed token
         lookahead = 1 if self.drafter is None else self.spec.num_steps + 1
-        return _truncate(pending, sequence, params.max_new_tokens, stop_ids, self.max_positions, lookahead)
+        return _truncate(pending, sequence, sequence.params.max_new_tokens, sequence.stop_ids, self.max_positions, lookahead)
 
     def _aux_layer_ids(self) -> Optional[list[int]]:
         return list(self.drafter.config.aux_layer_ids) if self.drafter is not None else None
@@ -374,7 +605,7 @@ class ReferenceEngine:
         top_scores, top_ids = log_probs.topk(topk)
         frontier = list(range(topk))
         for score, draft_id in zip(top_scores.tolist(), top_ids.tolist()):
-            tokens.append(int(drafter.draft_to_target(torch.tensor(draft_id))))
+            tokens.append(int(drafter.draft_to_target(torch.tensor(draft_id, device=self.device))))
             parents.append(-1)
             scores.append(score)
         frontier_hidden = sequence.draft_hidden[None].expand(topk, -1)  # hidden each frontier node is fed
@@ -396,7 +627,7 @@ class ReferenceEngine:
             hidden_out = layer.finish(attn, residual=frontier_hidden[None])[0]
             step_log_probs = torch.log_softmax(drafter.logits(hidden_out).float(), dim=-1)  # [topk, Vd]
             child_scores, child_ids = step_log_probs.topk(topk, dim=-1)
-            child_scores = child_scores + torch.tensor([scores[c] for c in frontier])[:, None]
+            child_scores = child_scores + torch.tensor([scores[c] for c in frontier], device=child_scores.device)[:, None]
             first_child = len(tokens)
             for row, node in enumerate(frontier):
                 for col in range(topk):
@@ -407,32 +638,6 @@ class ReferenceEngine:
             frontier = [first_child + i for i in best]
             frontier_hidden = hidden_out[[i // topk for i in best]]
         return _select_tree(sequence.tokens[-1], tokens, parents, scores, self.spec.num_draft_tokens - 1)
-
-    def _verify_and_accept(self, sequence: Sequence, tree: DraftTree, params: SamplingParams) -> list[int]:
-        root_position = len(sequence.tokens) - 1
-        past_length = root_position
-        depths = tree.depths()
-        ids = torch.tensor([tree.tokens], device=self.device)
-        positions = torch.tensor([[root_position + d for d in depths]], device=self.device)
-        is_chain = all(parent == i - 1 for i, parent in enumerate(tree.parents))
-        mask = None if is_chain else tree_attention_mask(tree.parents, past_length, self.model.dtype, self.device)
-        logits, aux = target_forward(self.model, ids, positions, sequence.target_cache, self._aux_layer_ids(), mask)
-
-        path, bonus = _accept(tree, logits, params, sequence.generator)
-        accepted = [tree.tokens[node] for node in path]
-        kept_rows = [0] + path  # the root and the accepted nodes stay in the target cache
-        if kept_rows == list(range(len(kept_rows))):
-            keep_cache_positions(sequence.target_cache, past_length + len(kept_rows))
-        else:
-            keep = torch.cat([torch.arange(past_length), past_length + torch.tensor(kept_rows)]).to(self.device)
-            keep_cache_positions(sequence.target_cache, keep)
-
-        sequence.tokens.extend(accepted + [bonus])
-        sequence.stats.verify_steps += 1
-        sequence.stats.accepted_draft_tokens += len(accepted)
-        sequence.draft_cache.crop(past_length)
-        self._draft_extend(sequence, aux[kept_rows], start_position=past_length)
-        return accepted + [bonus]
 
 
 # --------------------------------------------------------------------------------------------- tree helpers
@@ -488,7 +693,7 @@ def _accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gener
                 path.append(child)
                 node = child
                 break
-            residual = torch.clamp(q - p, min=0) if p is not None else q.index_fill(0, torch.tensor(token), 0.0)
+            residual = torch.clamp(q - p, min=0) if p is not None else q.index_fill(0, torch.tensor(token, device=q.device), 0.0)
             if residual.sum() > 0:
                 q = residual / residual.sum()
         else:
@@ -499,9 +704,10 @@ def _accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gener
 
 
 def _check_speculative(spec: SpeculativeConfig) -> None:
-    if spec.algorithm.upper() not in ("EAGLE3", "EAGLE"):
+    if spec.algorithm.upper() != "EAGLE3":
         raise ValueError(
-            f"engine.speculative.algorithm {spec.algorithm!r}: the reference engine implements EAGLE3 only"
+            f"engine.speculative.algorithm {spec.algorithm!r}: the reference engine implements EAGLE3 only "
+            "(EAGLE-1/2 drafters read one hidden state, not three); set engine.speculative.algorithm=EAGLE3"
         )
     if spec.eagle_topk > 1 and spec.num_draft_tokens < 2:
         raise ValueError(
@@ -556,6 +762,9 @@ def _truncate(
     if reason is None and len(sequence.tokens) + lookahead > max_positions:
         reason = "length"  # the next verify would run past the target's positions
     del sequence.tokens[sequence.prompt_length + already + len(emitted) :]
+    # accepted drafts come first in a step's tokens, the bonus last: a cut drops the bonus, then drafts
+    sequence.stats.accepted_draft_tokens -= sequence.pending_drafts - min(sequence.pending_drafts, len(emitted))
+    sequence.pending_drafts = 0
     return emitted, reason
 
 

@@ -49,14 +49,20 @@ class VLLMSpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)
 
     def minus(self, earlier: "VLLMSpecCounters") -> "VLLMSpecCounters":
-        width = max(len(self.accepted_per_position), len(earlier.accepted_per_position))
-        now = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
-        before = earlier.accepted_per_position + [0] * (width - len(earlier.accepted_per_position))
+        return self._combine(earlier, -1)
+
+    def plus(self, other: "VLLMSpecCounters") -> "VLLMSpecCounters":
+        return self._combine(other, 1)
+
+    def _combine(self, other: "VLLMSpecCounters", sign: int) -> "VLLMSpecCounters":
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
         return VLLMSpecCounters(
-            self.drafts - earlier.drafts,
-            self.draft_tokens - earlier.draft_tokens,
-            self.accepted_tokens - earlier.accepted_tokens,
-            [a - b for a, b in zip(now, before)],
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted_tokens + sign * other.accepted_tokens,
+            [a + sign * b for a, b in zip(mine, theirs)],
         )
 
     @property

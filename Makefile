@@ -7,7 +7,10 @@ TORCH := torch==2.13.0
 DEEPSPEED := deepspeed==0.19.8
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean
+# SGLang's own argument code (CPU, no GPU packages), for check-sglang-args and the SGLang tests.
+SGLANG_ROOT ?= .sglang
+
+.PHONY: setup sglang demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,13 +23,20 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# One release per generation of SGLang's argument code (rules.VERSION_TABLE) installed, every release's wheel kept.
+sglang: $(SGLANG_ROOT)/.installed
+
+$(SGLANG_ROOT)/.installed: $(VENV)/.installed scripts/setup_sglang_venv.sh scripts/sglang-argcheck-requirements.txt platform/draftline/engines/sglang/rules.py
+	SGLANG_ROOT=$(SGLANG_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_sglang_venv.sh
+	touch $@
+
 demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
 
-test: setup
+test: setup sglang
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup sglang
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: setup

@@ -45,11 +45,22 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version
 from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
+
+
+# Where SGLang fails, in launch order. An error of the first two phases stops `prepare_server_args` /
+# `check_server_args` (and is what SGLang's own checks report); the later ones pass ServerArgs and fail after.
+PHASE_TEXT = {
+    "parse": "argument parsing",
+    "server-args": "ServerArgs validation",
+    "load": "model / draft loading (after ServerArgs)",
+    "first-draft-step": "the first speculative step (after loading)",
+}
+SERVER_ARGS_PHASES = ("parse", "server-args")
 
 
 @dataclass(frozen=True)
@@ -59,10 +70,14 @@ class Finding:
     flags: tuple[str, ...]
     message: str
     fix: str
+    phase: Optional[str] = None  # a key of PHASE_TEXT (errors); None for warnings
+    where: Optional[str] = None  # file:line in SGLang, when SGLang itself raised
 
     def __str__(self) -> str:
         flags = f" [{', '.join(self.flags)}]" if self.flags else ""
-        return f"{self.level}: {self.rule}{flags}: {self.message}\n  fix: {self.fix}"
+        phase = f" (fails at {PHASE_TEXT.get(self.phase, self.phase)})" if self.phase and self.level == "error" else ""
+        where = f"\n  at: {self.where}" if self.where else ""
+        return f"{self.level}: {self.rule}{flags}{phase}: {self.message}\n  fix: {self.fix}{where}"
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,7 @@ class VersionBehaviour:
     auto_params_other: tuple[int, int, int]
     eagle3_draft_architectures: tuple[str, ...]
     fixed_aux_layer_count: Optional[int]  # 0.5.6's EAGLE3 fc always takes 3 aux states
+    reads_draft_config: bool  # ServerArgs reads the draft's config.json (a missing draft path fails there)
 
     def covers(self, version: str) -> bool:
         v = parse_version(version)
@@ -91,11 +107,14 @@ class VersionBehaviour:
 
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
+# One row per generation of SGLang's argument code (see scripts/setup_sglang_venv.sh for how a release is installed):
+# 0.5.6-0.5.9 one ServerArgs.__post_init__; 0.5.10-0.5.12 + --speculative-adaptive; 0.5.13-0.5.19 the speculative
+# hook module (arg_groups/speculative_hook.py); 0.5.20+ arg_groups namespaces and resolve_once().
 VERSION_TABLE: tuple[VersionBehaviour, ...] = (
     VersionBehaviour(
         checked_version="0.5.6",
         first_version="0.5.6",
-        before_version="0.5.12",
+        before_version="0.5.10",
         source="sglang/srt/server_args.py ServerArgs._handle_speculative_decoding",
         algorithm_choices=("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
         builtin_algorithms=("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
@@ -105,11 +124,12 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         auto_params_other=(5, 4, 8),
         eagle3_draft_architectures=("LlamaForCausalLMEagle3",),
         fixed_aux_layer_count=3,
+        reads_draft_config=False,
     ),
     VersionBehaviour(
         checked_version="0.5.12",
-        first_version="0.5.12",
-        before_version="0.5.23",
+        first_version="0.5.10",
+        before_version="0.5.13",
         source="sglang/srt/server_args.py ServerArgs._handle_speculative_decoding",
         algorithm_choices=None,
         builtin_algorithms=("DFLASH", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NEXTN", "NGRAM", "STANDALONE"),
@@ -119,10 +139,26 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         auto_params_other=(5, 4, 8),
         eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
         fixed_aux_layer_count=None,
+        reads_draft_config=True,
+    ),
+    VersionBehaviour(
+        checked_version="0.5.13",
+        first_version="0.5.13",
+        before_version="0.5.20",
+        source="sglang/srt/arg_groups/speculative_hook.py handle_speculative_decoding",
+        algorithm_choices=None,
+        builtin_algorithms=("DFLASH", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NEXTN", "NGRAM", "STANDALONE"),
+        page_tree_backends=("flashinfer", "fa3", "triton"),
+        adaptive_skips_triple_assert=False,
+        auto_params_llama=(5, 4, 8),
+        auto_params_other=(3, 1, 4),
+        eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
+        fixed_aux_layer_count=None,
+        reads_draft_config=True,
     ),
     VersionBehaviour(
         checked_version="0.5.23",
-        first_version="0.5.23",
+        first_version="0.5.20",
         before_version=None,
         source="sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family",
         algorithm_choices=None,
@@ -135,6 +171,7 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         auto_params_other=(3, 1, 4),
         eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
         fixed_aux_layer_count=None,
+        reads_draft_config=True,
     ),
 )
 
@@ -222,10 +259,11 @@ class Rule:
     id: str
     summary: str
     check: Check
+    phase: str = "server-args"  # where SGLang fails for this rule's errors, unless a finding says otherwise
 
 
-def _err(rule: str, flags, message: str, fix: str) -> Finding:
-    return Finding("error", rule, tuple(flags), message, fix)
+def _err(rule: str, flags, message: str, fix: str, phase: Optional[str] = None) -> Finding:
+    return Finding("error", rule, tuple(flags), message, fix, phase)
 
 
 def _warn(rule: str, flags, message: str, fix: str) -> Finding:
@@ -722,12 +760,12 @@ def check_checkpoints(ctx: Context) -> Iterator[Finding]:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("unknown-flag", "unknown options (did-you-mean), vLLM names mapped to SGLang's, abbreviations", check_unknown_flags),
-    Rule("stray-value", "tokens not attached to any option", check_positionals),
-    Rule("flag-value", "missing values, non-numbers, invalid choices", check_flag_values),
+    Rule("unknown-flag", "unknown options (did-you-mean), vLLM names mapped to SGLang's, abbreviations", check_unknown_flags, "parse"),
+    Rule("stray-value", "tokens not attached to any option", check_positionals, "parse"),
+    Rule("flag-value", "missing values, non-numbers, invalid choices", check_flag_values, "parse"),
     Rule("duplicate-flag", "an option given twice (last wins)", check_duplicates),
     Rule("deprecated-flag", "deprecated options", check_deprecated),
-    Rule("required-flag", "required options missing", check_required),
+    Rule("required-flag", "required options missing", check_required, "parse"),
     Rule("algorithm-name", "speculative algorithm spelled as the version accepts", check_algorithm),
     Rule("speculative-without-algorithm", "speculative tuning without an algorithm", check_spec_without_algorithm),
     Rule("partial-speculative-triple", "topk / draft tokens without num_steps (bare AssertionError)", check_partial_triple),
@@ -735,12 +773,16 @@ RULES: tuple[Rule, ...] = (
     Rule("tree-draft-tokens", "topk 1 rewrite, tree capacity, missing draft tokens", check_tree_draft_tokens),
     Rule("trtllm-mha-topk", "trtllm_mha only with topk 1", check_trtllm_topk),
     Rule("page-size-tree-backend", "topk > 1 with page_size > 1 needs certain backends", check_page_size_tree),
-    Rule("eagle3-without-draft", "EAGLE3 / STANDALONE without a draft path", check_draft_path),
+    Rule("eagle3-without-draft", "EAGLE3 / STANDALONE without a draft path", check_draft_path, "load"),
     Rule("auto-speculative-params", "triple chosen by SGLang (differs by version)", check_auto_params),
-    Rule("checkpoints", "draft vs target config.json / d2t / aux layer ids", check_checkpoints),
+    Rule("checkpoints", "draft vs target config.json / d2t / aux layer ids", check_checkpoints, "load"),
 )
 
 
 def run_rules(ctx: Context) -> list[Finding]:
-    return [finding for rule in RULES for finding in rule.check(ctx)]
+    return [
+        replace(finding, phase=finding.phase or rule.phase) if finding.level == "error" else finding
+        for rule in RULES
+        for finding in rule.check(ctx)
+    ]
 

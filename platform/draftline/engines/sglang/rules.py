@@ -243,6 +243,18 @@ class Context:
     def adaptive(self) -> bool:
         return self.parsed.flag_set("speculative_adaptive")
 
+    @property
+    def adaptive_stays_on(self) -> bool:
+        """SGLang turns --speculative-adaptive off (with a warning) unless EAGLE/EAGLE3, topk 1 or unset, no DP attention
+        (speculative/adaptive_spec_params.py adaptive_unsupported_reason); the triple checks then apply as without it."""
+        topk = self.int_value("speculative_eagle_topk")
+        return (
+            self.adaptive
+            and self.algorithm in ("EAGLE", "EAGLE3")
+            and topk in (None, 1)
+            and not self.parsed.flag_set("enable_dp_attention")
+        )
+
     def opt(self, dest: str) -> str:
         return self.parsed.option_name(dest)
 
@@ -505,7 +517,7 @@ def check_spec_without_algorithm(ctx: Context) -> Iterator[Finding]:
 def check_partial_triple(ctx: Context) -> Iterator[Finding]:
     if not ctx.is_eagle_family or ctx.parsed.given("speculative_num_steps"):
         return
-    if ctx.adaptive and ctx.behaviour.adaptive_skips_triple_assert:
+    if ctx.adaptive_stays_on and ctx.behaviour.adaptive_skips_triple_assert:
         return
     given = [d for d in ("speculative_eagle_topk", "speculative_num_draft_tokens") if ctx.parsed.given(d)]
     if not given:
@@ -523,7 +535,11 @@ def check_partial_triple(ctx: Context) -> Iterator[Finding]:
             "add --speculative-num-steps S (and --speculative-num-draft-tokens), or remove "
             f"{', '.join(ctx.opt(d) for d in given)} to let SGLang choose all three"
         )
-    adaptive_note = " (--speculative-adaptive does not avoid this before 0.5.23)" if ctx.adaptive else ""
+    adaptive_note = (
+        " (--speculative-adaptive does not avoid this: SGLang turns it off for this command, or the release predates 0.5.20)"
+        if ctx.adaptive
+        else ""
+    )
     yield _err(
         "partial-speculative-triple", [ctx.opt(d) for d in given] + ["--speculative-num-steps"],
         f"{', '.join(ctx.opt(d) for d in given)} given without --speculative-num-steps: SGLang {ctx.version} "
@@ -539,7 +555,7 @@ def check_steps_without_topk(ctx: Context) -> Iterator[Finding]:
         return
     if ctx.parsed.given("speculative_eagle_topk"):
         return
-    if ctx.adaptive and ctx.behaviour.adaptive_skips_triple_assert:
+    if ctx.adaptive_stays_on and ctx.behaviour.adaptive_skips_triple_assert:
         return
     steps = ctx.int_value("speculative_num_steps")
     shown = steps if steps is not None else "S"
@@ -575,6 +591,7 @@ def check_tree_draft_tokens(ctx: Context) -> Iterator[Finding]:
             f"--speculative-eagle-topk {topk} (a tree) without --speculative-num-draft-tokens: SGLang derives it only "
             "for topk 1 and fails later with it unset.",
             f"add --speculative-num-draft-tokens N with 2 <= N <= {1 + topk + (steps - 1) * topk * topk}",
+            phase="load",
         )  # fmt: skip
         return
     capacity = 1 + topk + (steps - 1) * topk * topk
@@ -584,6 +601,7 @@ def check_tree_draft_tokens(ctx: Context) -> Iterator[Finding]:
             f"--speculative-num-draft-tokens {ndt} is more than a tree of {steps} steps x topk {topk} can hold: "
             f"1 + topk + (steps-1)*topk^2 = {capacity} (root, topk first-step candidates, topk^2 per later step).",
             f"use --speculative-num-draft-tokens <= {capacity}, or more steps / a larger topk",
+            phase="first-draft-step",
         )  # fmt: skip
 
 
@@ -632,7 +650,19 @@ def check_page_size_tree(ctx: Context) -> Iterator[Finding]:
 
 
 def check_draft_path(ctx: Context) -> Iterator[Finding]:
-    if ctx.parsed.value("speculative_draft_model_path") is not None:
+    draft = ctx.parsed.value("speculative_draft_model_path")
+    if draft is not None:
+        info = ctx.checkpoint("speculative_draft_model_path")
+        if ctx.algorithm is not None and info is not None and info.written_as.startswith(("/", ".", "~")) and not info.path.exists():
+            b = ctx.behaviour
+            yield _err(
+                "draft-path-missing", [ctx.opt("speculative_draft_model_path")],
+                f"{draft} does not exist. SGLang {ctx.version} "
+                + ("reads the draft's config inside ServerArgs and raises OSError (it takes the path for a hub repo id)."
+                   if b.reads_draft_config else "fails when the draft worker loads it."),
+                "point --speculative-draft-model-path at the exported draft directory (`draftline export` output)",
+                phase="server-args" if b.reads_draft_config else "load",
+            )  # fmt: skip
         return
     if ctx.algorithm == "EAGLE3":
         yield _err(
@@ -647,6 +677,137 @@ def check_draft_path(ctx: Context) -> Iterator[Finding]:
             "STANDALONE speculative decoding needs a separate small draft model; without "
             "--speculative-draft-model-path SGLang drafts with the target itself.",
             "add --speculative-draft-model-path DRAFT_DIR",
+        )  # fmt: skip
+
+
+def _backend_values(ctx: Context) -> set[str]:
+    return set(_backends(ctx).values())
+
+
+def check_speculative_combinations(ctx: Context) -> Iterator[Finding]:
+    """Combinations SGLang's ServerArgs refuses with speculative decoding (attention, parallelism, paging)."""
+    algo = ctx.algorithm
+    if algo is None:
+        return
+    option = ctx.opt("speculative_algorithm")
+    if "flex_attention" in _backend_values(ctx):
+        yield _err(
+            "flex-attention-speculative", [ctx.opt("attention_backend"), option],
+            f"SGLang {ctx.version} asserts that speculative decoding is not used with the flex_attention backend.",
+            "use another --attention-backend (e.g. triton or flashinfer), or drop speculative decoding",
+        )  # fmt: skip
+    pp = ctx.int_value("pp_size")
+    if pp is not None and pp > 1 and algo != "EAGLE":
+        yield _err(
+            "pp-speculative", [ctx.opt("pp_size"), option],
+            f"--pp-size {pp} with {algo}: SGLang {ctx.version}'s check_server_args asserts that pipeline parallelism "
+            "runs only EAGLE (non-multi-layer) speculative decoding.",
+            "use --pp-size 1 (tensor parallelism: --tp-size), or --speculative-algorithm EAGLE with an EAGLE draft",
+        )  # fmt: skip
+    if algo in ("STANDALONE", "NGRAM") and ctx.parsed.flag_set("enable_dp_attention"):
+        yield _err(
+            "dp-attention-speculative", [ctx.opt("enable_dp_attention"), option],
+            f"SGLang {ctx.version} raises ValueError: {algo} speculative decoding does not support DP attention.",
+            "drop --enable-dp-attention, or use EAGLE/EAGLE3",
+        )  # fmt: skip
+    page = ctx.int_value("page_size")
+    if algo == "NGRAM" and page is not None and page > 1:
+        yield _err(
+            "ngram-page-size", [ctx.opt("page_size"), option],
+            f"NGRAM drafts a tree (topk {ctx.int_value('speculative_eagle_topk') or 10} by default) and SGLang "
+            f"{ctx.version} raises ValueError for a tree with --page-size {page} > 1 on paged attention backends.",
+            "use --page-size 1 with NGRAM",
+        )  # fmt: skip
+
+
+# The default --speculative-adaptive-config (speculative/adaptive_spec_params.py): the union of candidate_steps.
+ADAPTIVE_DEFAULT_CANDIDATE_STEPS = (0, 1, 3, 5, 7)
+
+
+def check_adaptive_steps(ctx: Context) -> Iterator[Finding]:
+    if not (ctx.adaptive_stays_on and ctx.behaviour.adaptive_skips_triple_assert):
+        return
+    steps = ctx.int_value("speculative_num_steps")
+    if steps is None or ctx.parsed.given("speculative_adaptive_config"):
+        return
+    if steps not in ADAPTIVE_DEFAULT_CANDIDATE_STEPS:
+        allowed = ", ".join(map(str, ADAPTIVE_DEFAULT_CANDIDATE_STEPS))
+        yield _err(
+            "adaptive-steps", [ctx.opt("speculative_num_steps"), ctx.opt("speculative_adaptive")],
+            f"with --speculative-adaptive, SGLang {ctx.version} starts from --speculative-num-steps and raises "
+            f"ValueError when it is not one of the adaptive config's candidate steps ({allowed}); {steps} is not.",
+            f"use --speculative-num-steps one of {allowed}, or pass --speculative-adaptive-config with {steps} in candidate_steps",
+        )  # fmt: skip
+
+
+def check_rejection_sampling(ctx: Context) -> Iterator[Finding]:
+    if not ctx.parsed.flag_set("speculative_use_rejection_sampling"):
+        return
+    option = ctx.opt("speculative_use_rejection_sampling")
+    algo = ctx.algorithm
+    if algo is not None and algo not in ("EAGLE", "EAGLE3", "NEXTN"):
+        yield _err(
+            "rejection-sampling", [option, ctx.opt("speculative_algorithm")],
+            f"SGLang {ctx.version} supports {option} only for EAGLE / EAGLE3 / NEXTN (NotImplementedError for {algo}).",
+            f"drop {option}, or use EAGLE3",
+        )  # fmt: skip
+        return
+    topk = ctx.int_value("speculative_eagle_topk")
+    if topk is not None and topk != 1:
+        yield _err(
+            "rejection-sampling", [option, ctx.opt("speculative_eagle_topk")],
+            f"{option} verifies a chain: SGLang {ctx.version} requires --speculative-eagle-topk 1 (got {topk}).",
+            f"use --speculative-eagle-topk 1 with {option}, or drop it for tree drafting",
+        )  # fmt: skip
+    thresholds = [ctx.opt(d) for d in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc") if ctx.parsed.given(d)]
+    if thresholds:
+        yield _err(
+            "rejection-sampling", [option, *thresholds],
+            f"{option} is incompatible with {' / '.join(thresholds)} in SGLang {ctx.version} (rejection sampling "
+            "decides acceptance itself).",
+            f"drop {' and '.join(thresholds)}",
+        )  # fmt: skip
+
+
+def check_draft_window(ctx: Context) -> Iterator[Finding]:
+    window = ctx.int_value("speculative_draft_window_size")
+    sink = ctx.int_value("speculative_draft_sink_size")
+    if window is not None and window <= 0:
+        yield _err(
+            "draft-window", [ctx.opt("speculative_draft_window_size")],
+            f"SGLang {ctx.version} requires a positive --speculative-draft-window-size (got {window}).",
+            "use a positive window (tokens of draft attention), or drop the option",
+        )  # fmt: skip
+    if sink is None:
+        return
+    if sink < 0:
+        yield _err(
+            "draft-window", [ctx.opt("speculative_draft_sink_size")],
+            f"SGLang {ctx.version} requires a non-negative --speculative-draft-sink-size (got {sink}).",
+            "use --speculative-draft-sink-size 0 or more",
+        )  # fmt: skip
+    if window is None:
+        yield _err(
+            "draft-window", [ctx.opt("speculative_draft_sink_size"), ctx.opt("speculative_draft_window_size")],
+            f"--speculative-draft-sink-size requires --speculative-draft-window-size in SGLang {ctx.version}.",
+            "add --speculative-draft-window-size N, or drop --speculative-draft-sink-size",
+        )  # fmt: skip
+
+
+def check_dflash_block(ctx: Context) -> Iterator[Finding]:
+    block = ctx.int_value("speculative_dflash_block_size")
+    if ctx.algorithm != "DFLASH" or block is None:
+        return
+    option = ctx.opt("speculative_dflash_block_size")
+    if block <= 0:
+        yield _err("dflash-block-size", [option], f"SGLang {ctx.version} requires a positive {option} (got {block}).", f"use a positive {option} (the verify window)")
+        return
+    ndt = ctx.int_value("speculative_num_draft_tokens")
+    if ndt is not None and ndt != block:
+        yield _err(
+            "dflash-block-size", [option, ctx.opt("speculative_num_draft_tokens")],
+            f"for DFLASH, {option} {block} and --speculative-num-draft-tokens {ndt} must match; SGLang {ctx.version} raises ValueError.",
+            f"drop --speculative-num-draft-tokens (DFLASH takes it from {option}), or make them equal",
         )  # fmt: skip
 
 
@@ -774,6 +935,11 @@ RULES: tuple[Rule, ...] = (
     Rule("trtllm-mha-topk", "trtllm_mha only with topk 1", check_trtllm_topk),
     Rule("page-size-tree-backend", "topk > 1 with page_size > 1 needs certain backends", check_page_size_tree),
     Rule("eagle3-without-draft", "EAGLE3 / STANDALONE without a draft path", check_draft_path, "load"),
+    Rule("speculative-combinations", "flex_attention, pipeline parallelism, DP attention, NGRAM paging", check_speculative_combinations),
+    Rule("adaptive-steps", "--speculative-adaptive starts from one of its candidate step counts", check_adaptive_steps),
+    Rule("rejection-sampling", "rejection sampling: EAGLE family, topk 1, no thresholds", check_rejection_sampling),
+    Rule("draft-window", "draft attention window and sink sizes", check_draft_window),
+    Rule("dflash-block-size", "DFLASH block size positive and equal to the verify width", check_dflash_block),
     Rule("auto-speculative-params", "triple chosen by SGLang (differs by version)", check_auto_params),
     Rule("checkpoints", "draft vs target config.json / d2t / aux layer ids", check_checkpoints, "load"),
 )

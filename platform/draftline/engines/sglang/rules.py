@@ -97,6 +97,9 @@ class VersionBehaviour:
     eagle3_draft_architectures: tuple[str, ...]
     fixed_aux_layer_count: Optional[int]  # 0.5.6's EAGLE3 fc always takes 3 aux states
     reads_draft_config: bool  # ServerArgs reads the draft's config.json (a missing draft path fails there)
+    pp_speculative_algorithms: tuple[str, ...]  # what check_server_args allows with --pp-size > 1
+    adaptive_candidate_steps: Optional[tuple[int, ...]]  # --speculative-num-steps must be one of them (default config)
+    checks_draft_window: bool  # ServerArgs refuses a non-positive --speculative-draft-window-size
 
     def covers(self, version: str) -> bool:
         v = parse_version(version)
@@ -125,6 +128,9 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         eagle3_draft_architectures=("LlamaForCausalLMEagle3",),
         fixed_aux_layer_count=3,
         reads_draft_config=False,
+        pp_speculative_algorithms=(),
+        adaptive_candidate_steps=None,
+        checks_draft_window=False,
     ),
     VersionBehaviour(
         checked_version="0.5.12",
@@ -140,6 +146,9 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
         fixed_aux_layer_count=None,
         reads_draft_config=True,
+        pp_speculative_algorithms=(),
+        adaptive_candidate_steps=None,
+        checks_draft_window=False,
     ),
     VersionBehaviour(
         checked_version="0.5.13",
@@ -155,6 +164,9 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
         fixed_aux_layer_count=None,
         reads_draft_config=True,
+        pp_speculative_algorithms=(),
+        adaptive_candidate_steps=(1, 3, 7),
+        checks_draft_window=True,
     ),
     VersionBehaviour(
         checked_version="0.5.23",
@@ -172,6 +184,9 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
         fixed_aux_layer_count=None,
         reads_draft_config=True,
+        pp_speculative_algorithms=("EAGLE",),
+        adaptive_candidate_steps=(0, 1, 3, 5, 7),
+        checks_draft_window=True,
     ),
 )
 
@@ -696,13 +711,16 @@ def check_speculative_combinations(ctx: Context) -> Iterator[Finding]:
             f"SGLang {ctx.version} asserts that speculative decoding is not used with the flex_attention backend.",
             "use another --attention-backend (e.g. triton or flashinfer), or drop speculative decoding",
         )  # fmt: skip
-    pp = ctx.int_value("pp_size")
-    if pp is not None and pp > 1 and algo != "EAGLE":
+    pp_dest = "pp_size" if ctx.parsed.given("pp_size") else "pipeline_parallel_size"  # renamed in 0.5.20
+    pp = ctx.int_value(pp_dest)
+    allowed = ctx.behaviour.pp_speculative_algorithms
+    if pp is not None and pp > 1 and algo not in allowed:
         yield _err(
-            "pp-speculative", [ctx.opt("pp_size"), option],
+            "pp-speculative", [ctx.opt(pp_dest), option],
             f"--pp-size {pp} with {algo}: SGLang {ctx.version}'s check_server_args asserts that pipeline parallelism "
-            "runs only EAGLE (non-multi-layer) speculative decoding.",
-            "use --pp-size 1 (tensor parallelism: --tp-size), or --speculative-algorithm EAGLE with an EAGLE draft",
+            + ("runs only EAGLE (non-multi-layer) speculative decoding." if allowed else "runs without speculative decoding."),
+            "use --pp-size 1 (tensor parallelism: --tp-size)"
+            + (", or --speculative-algorithm EAGLE with an EAGLE draft" if allowed else ", or drop speculative decoding"),
         )  # fmt: skip
     if algo in ("STANDALONE", "NGRAM") and ctx.parsed.flag_set("enable_dp_attention"):
         yield _err(
@@ -720,18 +738,15 @@ def check_speculative_combinations(ctx: Context) -> Iterator[Finding]:
         )  # fmt: skip
 
 
-# The default --speculative-adaptive-config (speculative/adaptive_spec_params.py): the union of candidate_steps.
-ADAPTIVE_DEFAULT_CANDIDATE_STEPS = (0, 1, 3, 5, 7)
-
-
 def check_adaptive_steps(ctx: Context) -> Iterator[Finding]:
-    if not (ctx.adaptive_stays_on and ctx.behaviour.adaptive_skips_triple_assert):
+    """With the default --speculative-adaptive-config (speculative/adaptive_spec_params.py), the starting step count
+    must be one of its candidate_steps."""
+    candidates = ctx.behaviour.adaptive_candidate_steps
+    if candidates is None or not ctx.adaptive_stays_on or ctx.parsed.given("speculative_adaptive_config"):
         return
     steps = ctx.int_value("speculative_num_steps")
-    if steps is None or ctx.parsed.given("speculative_adaptive_config"):
-        return
-    if steps not in ADAPTIVE_DEFAULT_CANDIDATE_STEPS:
-        allowed = ", ".join(map(str, ADAPTIVE_DEFAULT_CANDIDATE_STEPS))
+    if steps is not None and steps not in candidates:
+        allowed = ", ".join(map(str, candidates))
         yield _err(
             "adaptive-steps", [ctx.opt("speculative_num_steps"), ctx.opt("speculative_adaptive")],
             f"with --speculative-adaptive, SGLang {ctx.version} starts from --speculative-num-steps and raises "
@@ -772,7 +787,7 @@ def check_rejection_sampling(ctx: Context) -> Iterator[Finding]:
 def check_draft_window(ctx: Context) -> Iterator[Finding]:
     window = ctx.int_value("speculative_draft_window_size")
     sink = ctx.int_value("speculative_draft_sink_size")
-    if window is not None and window <= 0:
+    if window is not None and window <= 0 and ctx.behaviour.checks_draft_window:
         yield _err(
             "draft-window", [ctx.opt("speculative_draft_window_size")],
             f"SGLang {ctx.version} requires a positive --speculative-draft-window-size (got {window}).",

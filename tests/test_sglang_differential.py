@@ -5,6 +5,7 @@ runs through SGLang's `prepare_server_args` / `resolve_once` / `check_server_arg
 (`make sglang`) and through the rule table. A command "fails ServerArgs" for the rule table when it reports an error
 of phase parse or server-args. Every disagreement must be listed, with its reason, in
 tests/sglang_differential_expectations.yaml; a listed one that no longer happens fails too (the list stays true).
+The same run checks that the release's flag table has exactly its parser's option strings.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def test_rule_table_agrees_with_sglang(version, cases):
     assert installation is not None, f"SGLang {version} is not installed under {sglang_root()}: run `make sglang`"
     report = run_sglang_checks([argv for _, argv in cases], installation, flag_table_for(version))
     assert report.version == version
+    # The committed flag table (generated from the wheel by ast) has exactly this release's parser's options.
+    assert set(report.options) - {"-h", "--help"} == set(flag_table_for(version).flags)
     expected = yaml.safe_load(EXPECTATIONS.read_text()).get(version) or {}
     disagreements = {}
     for (case_id, argv), rejection in zip(cases, report.results):

@@ -2,7 +2,6 @@
 
 - every production config's generated command is accepted by the pinned release's prepare_server_args /
   check_server_args, on a scratch target holding the config's shapes and an exported-draft stand-in;
-- each installed release's flag table has exactly the option strings of that release's parser;
 - check-sglang-args reports SGLang's own exception in the preflight's format (flag, reason, fix, file:line).
 """
 
@@ -18,8 +17,7 @@ from safetensors.torch import save_file
 from draftline.config import load_config
 from draftline.engines.sglang.args import build_launch_argv, flag_table_for
 from draftline.engines.sglang.preflight import preflight_report
-from draftline.engines.sglang.real import find_installation, installed_versions, run_sglang_checks, sglang_root
-from draftline.engines.sglang.rules import VERSION_TABLE
+from draftline.engines.sglang.real import find_installation, run_sglang_checks, sglang_root
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCTION_CONFIGS = sorted(
@@ -36,6 +34,7 @@ def installation(version: str):
 
 def scratch_models(cfg, root: Path) -> tuple[Path, Path]:
     """config.json of the config's target family and shapes, and a draft with d2t for its draft vocab."""
+    root.mkdir(parents=True, exist_ok=True)
     t = cfg.target
     is_deepseek = t.num_layers > 40  # kimi-k2.5: DeepSeek-V3 architecture (MLA + MoE)
     target_config = {
@@ -72,14 +71,15 @@ def test_there_are_production_configs():
     assert {"llama3.1-8b-4xgpu", "kimi-k2.5"} <= names
 
 
-@pytest.mark.parametrize("config", PRODUCTION_CONFIGS, ids=lambda p: p.stem)
-def test_generated_command_is_accepted_by_the_pinned_sglang(config, tmp_path):
-    cfg = load_config(config)
-    version = cfg.engine.sglang.version
-    target, draft = scratch_models(cfg, tmp_path)
-    argv = build_launch_argv(cfg, target, draft)
-    report = run_sglang_checks([argv], installation(version), flag_table_for(version))
-    assert report.results == [None], (argv, report.results)
+def test_generated_commands_are_accepted_by_the_pinned_sglang(tmp_path):
+    by_version: dict[str, list[tuple[str, list[str]]]] = {}
+    for config in PRODUCTION_CONFIGS:
+        cfg = load_config(config)
+        target, draft = scratch_models(cfg, tmp_path / config.stem)
+        by_version.setdefault(cfg.engine.sglang.version, []).append((config.stem, build_launch_argv(cfg, target, draft)))
+    for version, commands in by_version.items():
+        report = run_sglang_checks([argv for _, argv in commands], installation(version), flag_table_for(version))
+        assert report.results == [None] * len(commands), list(zip(commands, report.results))
 
 
 def test_cuda_graph_option_follows_the_release(tmp_path):
@@ -89,15 +89,6 @@ def test_cuda_graph_option_follows_the_release(tmp_path):
     cfg = load_config(REPO / "configs/llama3.1-8b-4xgpu.yaml", ["engine.sglang.version=0.5.23"])
     argv = build_launch_argv(cfg, target, draft)
     assert "--cuda-graph-max-bs-decode" in argv and "--cuda-graph-max-bs" not in argv
-
-
-@pytest.mark.parametrize("version", [row.checked_version for row in VERSION_TABLE])
-def test_flag_table_matches_the_release_parser(version, tmp_path):
-    target, _ = scratch_models(load_config(REPO / "configs/llama3.1-8b-4xgpu.yaml"), tmp_path)
-    report = run_sglang_checks([["--model-path", str(target)]], installation(version), flag_table_for(version))
-    assert set(report.options) - {"-h", "--help"} == set(flag_table_for(version).flags)
-    assert report.results == [None]
-    assert set(installed_versions()) >= {row.checked_version for row in VERSION_TABLE}
 
 
 def test_check_reports_sglang_own_exception_with_fix_and_location(tmp_path):

@@ -7,22 +7,19 @@ fail or silently change something, and what to write instead. Errors mean SGLang
 serve the wrong model); warnings mean it starts but not as written. The rules and the per-version table
 they use are in `rules.py`; the known flags per version are data in `flags/<version>.json`.
 
-`real_parser_check` additionally runs SGLang's own argparse parser (`ServerArgs.add_cli_args`) in an
-interpreter that has sglang installed, when one is available.
+`preflight_report(..., sglang="auto")` also runs that release's own argument code (real.py), when installed.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftline.engines.sglang.args import flag_table_for, parse_version, read_argv, split_command, strip_launcher
+from draftline.engines.sglang.args import flag_table_for, parse_version, read_argv
 from draftline.engines.sglang.real import PHASES, Rejection, find_installation, run_sglang_checks, sglang_root
-from draftline.engines.sglang.rules import SERVER_ARGS_PHASES, VERSION_TABLE, Context, Finding, behaviour_for, run_rules
+from draftline.engines.sglang.rules import SERVER_ARGS_PHASES, Context, Finding, behaviour_for, run_rules
 
 __all__ = [
     "Finding",
@@ -32,8 +29,6 @@ __all__ = [
     "PreflightReport",
     "has_errors",
     "format_findings",
-    "real_parser_check",
-    "real_parser_check_many",
 ]
 
 
@@ -126,8 +121,7 @@ def preflight_report(
             if sglang == "required":
                 findings.append(Finding("error", "sglang-not-installed", (), f"SGLang {version} is not installed under {sglang_root()}", f"run scripts/setup_sglang_venv.sh {version}"))
         elif target is None or not (Path(target).expanduser() / "config.json").is_file():
-            note = "not run: --model-path is not a local directory with config.json"
-            findings.append(Finding("warning", "sglang-not-run", ("--model-path",), f"SGLang {version}'s own checks were not run: they need the target's config.json ({target!r} is not a local model directory); only the rule table was applied.", "point --model-path at a directory holding the model's config.json"))
+            note = f"not run: they need the target's config.json and --model-path {target!r} is not a local model directory"
         else:
             rejection = run_sglang_checks([argv], installation, table).results[0]
             own_phase_errors = [f for f in findings if f.level == "error" and f.phase in SERVER_ARGS_PHASES]
@@ -159,64 +153,3 @@ def format_findings(findings: list[Finding]) -> str:
     lines = [str(f) for f in findings]
     lines.append(f"{errors} error(s), {len(findings) - errors} warning(s)")
     return "\n".join(lines)
-
-
-# Runs inside the sglang interpreter: build SGLang's parser once and report what it rejects in each argv, as JSON.
-_REAL_PARSER_PROGRAM = r"""
-import argparse, json, sys
-import sglang
-from sglang.srt.server_args import ServerArgs
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ValueError(message)
-parser = Parser(prog="sglang serve")
-ServerArgs.add_cli_args(parser)
-options = sorted(o for a in parser._actions for o in a.option_strings)
-results = []
-for argv in json.loads(sys.stdin.read()):
-    try:
-        _, unknown = parser.parse_known_args(argv)
-        error = None
-    except ValueError as err:
-        unknown, error = [], str(err)
-    results.append({"unknown": unknown, "error": error})
-print(json.dumps({"version": getattr(sglang, "__version__", None), "options": options, "results": results}))
-"""
-
-
-def real_parser_check_many(argvs: list[list[str] | str], python: str | Path, timeout_s: float = 300) -> dict:
-    """Parse each argv with SGLang's own parser in `python` (an interpreter with sglang installed), in one process.
-
-    Returns {"version", "options": [every option string], "results": [{"unknown": [...], "error": str|None}, ...]}.
-    Raises RuntimeError (with the interpreter's stderr) when sglang cannot be imported there.
-    """
-    options_only = [strip_launcher(split_command(argv))[1] for argv in argvs]
-    proc = subprocess.run(
-        [str(python), "-c", _REAL_PARSER_PROGRAM],
-        input=json.dumps(options_only),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{python}: could not run SGLang's parser (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def real_parser_check(argv: list[str] | str, python: str | Path, timeout_s: float = 300) -> dict:
-    """One argv: {"version", "options", "unknown": [...], "error": str|None}."""
-    report = real_parser_check_many([argv], python, timeout_s)
-    return {"version": report["version"], "options": report["options"], **report["results"][0]}
-
-
-def sglang_version_of(python: str | Path, timeout_s: float = 60) -> Optional[str]:
-    """The sglang version installed for an interpreter, from package metadata (no sglang import)."""
-    proc = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if proc.returncode != 0:
-        return None
-    return proc.stdout.strip() or None

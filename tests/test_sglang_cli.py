@@ -39,8 +39,10 @@ def test_check_sglang_args_json_and_version(capsys):
     argv = [*STORY[:5], "--speculative-algorithm", "eagle3", "--speculative-draft-model-path", "d",
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
     assert main(["check-sglang-args", "--sglang-version", "0.5.6", "--json", "--", *argv]) == 1
-    findings = json.loads(capsys.readouterr().out)
-    assert [f["rule"] for f in findings] == ["algorithm-name"]
+    report = json.loads(capsys.readouterr().out)
+    assert [f["rule"] for f in report["findings"]] == ["algorithm-name"]
+    assert report["findings"][0]["phase"] == "parse"
+    assert report["applied"].startswith("SGLang 0.5.6: flags of release 0.5.6")
     assert main(["check-sglang-args", "--sglang-version", "0.5.23", "--", *argv]) == 0
 
 

@@ -1,4 +1,7 @@
-"""The per-version flag tables: present, regenerated identically from the wheels, consistent with the rules."""
+"""The per-release flag tables: one for every SGLang release from 0.5.6 on, each regenerated identically from its wheel.
+
+The wheels come from `make sglang` (scripts/setup_sglang_venv.sh downloads every release that has a table).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +12,16 @@ from pathlib import Path
 import pytest
 
 from draftline.engines.sglang.args import FLAGS_DIR, available_flag_versions, flag_table_for
+from draftline.engines.sglang.real import sglang_root
 from draftline.engines.sglang.rules import VERSION_TABLE
 
 REPO = Path(__file__).resolve().parents[1]
-WHEEL_ROOT = Path("/tmp/sgl")
+# Every release on PyPI from 0.5.6 to 0.5.23 (`pip index versions sglang`).
+RELEASES = [
+    "0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7", "0.5.8", "0.5.8.post1", "0.5.9", "0.5.10", "0.5.10.post1",
+    "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16",
+    "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23",
+]  # fmt: skip
 
 
 def load_generator():
@@ -22,8 +31,17 @@ def load_generator():
     return module
 
 
-def test_every_checked_version_has_a_table():
-    assert [row.checked_version for row in VERSION_TABLE] == available_flag_versions()
+def wheel_of(version: str) -> Path:
+    wheels = sorted((sglang_root() / "wheels").glob(f"sglang-{version}-*.whl"))
+    assert wheels, f"no SGLang {version} wheel under {sglang_root() / 'wheels'}: run `make sglang`"
+    return wheels[0]
+
+
+def test_every_release_has_a_table_and_every_generation_a_rule_row():
+    assert available_flag_versions() == RELEASES
+    assert {row.checked_version for row in VERSION_TABLE} <= set(RELEASES)
+    for version in RELEASES:
+        assert flag_table_for(version).version == version
 
 
 @pytest.mark.parametrize("version", [row.checked_version for row in VERSION_TABLE])
@@ -38,13 +56,10 @@ def test_table_has_the_speculative_flags(version):
     assert flags["--model-path"].required
 
 
-@pytest.mark.parametrize("version", [row.checked_version for row in VERSION_TABLE])
-def test_generator_reproduces_committed_table(version, tmp_path):
-    wheels = sorted((WHEEL_ROOT / version).glob("sglang-*.whl"))
-    if not wheels:
-        pytest.skip(f"no SGLang {version} wheel under {WHEEL_ROOT / version}")
+def test_generator_reproduces_every_committed_table(tmp_path):
     generator = load_generator()
-    assert generator.main([str(wheels[0]), "--out-dir", str(tmp_path)]) == 0
-    generated = json.loads((tmp_path / f"{version}.json").read_text())
-    committed = json.loads((FLAGS_DIR / f"{version}.json").read_text())
-    assert generated == committed
+    for version in RELEASES:
+        assert generator.main([str(wheel_of(version)), "--out-dir", str(tmp_path)]) == 0
+        generated = json.loads((tmp_path / f"{version}.json").read_text())
+        committed = json.loads((FLAGS_DIR / f"{version}.json").read_text())
+        assert generated == committed, version

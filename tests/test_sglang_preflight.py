@@ -10,8 +10,8 @@ import pytest
 
 from draftline.config import load_config
 from draftline.engines.sglang.args import build_launch_argv, flag_table_for, read_argv
-from draftline.engines.sglang.preflight import PreflightError, has_errors, preflight
-from draftline.engines.sglang.rules import VERSION_TABLE
+from draftline.engines.sglang.preflight import PreflightError, has_errors, preflight, preflight_report
+from draftline.engines.sglang.rules import VERSION_TABLE, behaviour_for
 
 VERSIONS = [row.checked_version for row in VERSION_TABLE]
 LAUNCH = ["python", "-m", "sglang.launch_server"]
@@ -276,10 +276,20 @@ def test_flag_tables_differ_by_version():
     assert "--speculative-ngram-min-match-window-size" not in flag_table_for("0.5.23").flags
 
 
-def test_unchecked_version_is_reported_and_uses_nearest_lower_rules():
-    findings = preflight(VALID["chain"], "0.5.15")
+def test_every_release_has_its_table_and_its_generation_of_rules():
+    assert preflight(VALID["chain"], "0.5.15") == []
+    assert flag_table_for("0.5.15").version == "0.5.15"
+    assert behaviour_for("0.5.15").checked_version == "0.5.13"
+    assert behaviour_for("0.5.10").checked_version == "0.5.12"
+    assert behaviour_for("0.5.21").checked_version == "0.5.23"
+    report = preflight_report(VALID["chain"], "0.5.15")
+    assert "flags of release 0.5.15" in report.applied and "rules of 0.5.13 up to 0.5.20" in report.applied
+
+
+def test_release_without_a_table_is_reported_and_uses_nearest_lower_rules():
+    findings = preflight(VALID["chain"], "0.5.24")
     assert rules_of(findings) == {"unchecked-version"}
-    assert "0.5.12" in findings[0].message
+    assert "0.5.23" in findings[0].message
     with pytest.raises(ValueError, match="MAJOR.MINOR.PATCH"):
         preflight(VALID["chain"], "latest")
 

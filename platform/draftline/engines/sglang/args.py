@@ -263,6 +263,18 @@ def read_argv(argv: list[str] | str, table: FlagTable) -> ParsedArgv:
     return parsed
 
 
+# engine.sglang field -> the option it is written as, in every spelling releases have had; the first one the
+# configured release's flag table has is emitted (0.5.20 split --cuda-graph-max-bs into -decode / -prefill, and
+# argparse then rejects the old name as an ambiguous prefix).
+CONFIG_OPTIONS: dict[str, tuple[str, ...]] = {
+    "mem_fraction_static": ("--mem-fraction-static",),
+    "attention_backend": ("--attention-backend",),
+    "page_size": ("--page-size",),
+    "cuda_graph_max_bs": ("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode"),
+    "dtype": ("--dtype",),
+}
+
+
 def build_launch_argv(
     cfg: "DraftlineConfig",
     model_path: str | Path,
@@ -291,16 +303,18 @@ def build_launch_argv(
             "--speculative-num-draft-tokens", str(spec.num_draft_tokens),
         ]  # fmt: skip
     argv += ["--host", sglang.host, "--port", str(sglang.port), "--tp-size", str(sglang.tp_size)]
-    optional = {
-        "--mem-fraction-static": sglang.mem_fraction_static,
-        "--attention-backend": sglang.attention_backend,
-        "--page-size": sglang.page_size,
-        "--cuda-graph-max-bs": sglang.cuda_graph_max_bs,
-        "--dtype": sglang.dtype,
-    }
-    for option, value in optional.items():
-        if value is not None:
-            argv += [option, str(value)]
+    table = flag_table_for(sglang.version)
+    for field_name, spellings in CONFIG_OPTIONS.items():
+        value = getattr(sglang, field_name)
+        if value is None:
+            continue
+        option = next((o for o in spellings if o in table.flags), None)
+        if option is None:
+            raise ValueError(
+                f"engine.sglang.{field_name}: SGLang {sglang.version} has no option for it (looked for "
+                f"{', '.join(spellings)} in {table.path.name}); unset it or pick another engine.sglang.version"
+            )
+        argv += [option, str(value)]
     argv += list(sglang.extra_args)
     findings = preflight(argv, sglang.version)
     if has_errors(findings):

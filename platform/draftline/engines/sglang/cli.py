@@ -2,8 +2,9 @@
 
     draftline sglang-command --config configs/x.yaml --draft-model-path EXPORT_DIR [--model-path TARGET_DIR]
         prints the exact SGLang launch command for cfg.engine (checked by the preflight first)
-    draftline check-sglang-args [--sglang-version 0.5.23] -- python -m sglang.launch_server --model-path ...
-        checks a hand-written command; exit 0 when clean or only warnings, 1 with errors
+    draftline check-sglang-args [--sglang-version 0.5.23] [--sglang auto|never|required] -- python -m sglang.launch_server ...
+        checks a hand-written command (with SGLang's own argument code when installed, else the rule table);
+        exit 0 when clean or only warnings, 1 with errors
 """
 
 from __future__ import annotations
@@ -17,14 +18,7 @@ from dataclasses import asdict
 from draftline.cli import add_config_args, config_from_args
 from draftline.config import ConfigError
 from draftline.engines.sglang.args import build_launch_argv
-from draftline.engines.sglang.preflight import (
-    Finding,
-    PreflightError,
-    format_findings,
-    has_errors,
-    preflight,
-    real_parser_check,
-)
+from draftline.engines.sglang.preflight import PreflightError, format_findings, has_errors, preflight, preflight_report
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,8 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     check.add_argument("--sglang-version", default="0.5.23", help="SGLang version to check against (default: %(default)s)")
     check.add_argument(
-        "--sglang-python",
-        help="also parse the command with SGLang's own parser in this interpreter (one with sglang installed)",
+        "--sglang",
+        choices=("auto", "never", "required"),
+        default="auto",
+        help="run that release's own argument checks (prepare_server_args, check_server_args) when `make sglang` "
+        "installed it: auto (default), never (rule table only), required (an error when it is not installed)",
     )
     check.add_argument("--no-checkpoints", action="store_true", help="do not read config.json / safetensors headers")
     check.add_argument("--json", action="store_true", help="print findings as JSON")
@@ -90,21 +87,6 @@ def run_sglang_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _real_parser_findings(argv: list[str], python: str) -> list[Finding]:
-    try:
-        result = real_parser_check(argv, python)
-    except (RuntimeError, OSError) as err:
-        return [Finding("warning", "real-parser", (), f"SGLang's own parser could not be run: {err}", "fix --sglang-python")]
-    findings = []
-    if result["error"]:
-        findings.append(Finding("error", "real-parser", (), f"SGLang {result['version']}'s parser: {result['error']}", "see the findings above"))
-    if result["unknown"]:
-        findings.append(
-            Finding("error", "real-parser", tuple(result["unknown"]), f"SGLang {result['version']}'s parser does not recognise {result['unknown']}", "see the findings above")
-        )  # fmt: skip
-    return findings
-
-
 def run_check_sglang_args(args: argparse.Namespace) -> int:
     launch = list(args.launch_argv)
     if launch and launch[0] == "--":
@@ -113,11 +95,10 @@ def run_check_sglang_args(args: argparse.Namespace) -> int:
         print("error: nothing to check; put the SGLang command after `--`, e.g.\n"
               "  draftline check-sglang-args -- python -m sglang.launch_server --model-path DIR ...", file=sys.stderr)  # fmt: skip
         return 2
-    findings = preflight(launch, args.sglang_version, check_checkpoints=not args.no_checkpoints)
-    if args.sglang_python:
-        findings += _real_parser_findings(launch, args.sglang_python)
+    report = preflight_report(launch, args.sglang_version, check_checkpoints=not args.no_checkpoints, sglang=args.sglang)
     if args.json:
-        print(json.dumps([asdict(f) for f in findings], indent=1))
+        print(json.dumps({"applied": report.applied, "findings": [asdict(f) for f in report.findings]}, indent=1))
     else:
-        print(format_findings(findings))
-    return 1 if has_errors(findings) else 0
+        print(report.applied)
+        print(format_findings(report.findings))
+    return 1 if has_errors(report.findings) else 0

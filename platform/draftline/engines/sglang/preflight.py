@@ -7,28 +7,28 @@ fail or silently change something, and what to write instead. Errors mean SGLang
 serve the wrong model); warnings mean it starts but not as written. The rules and the per-version table
 they use are in `rules.py`; the known flags per version are data in `flags/<version>.json`.
 
-`real_parser_check` additionally runs SGLang's own argparse parser (`ServerArgs.add_cli_args`) in an
-interpreter that has sglang installed, when one is available.
+`preflight_report(..., sglang="auto")` also runs that release's own argument code (real.py), when installed.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftline.engines.sglang.args import flag_table_for, parse_version, read_argv, split_command, strip_launcher
-from draftline.engines.sglang.rules import VERSION_TABLE, Context, Finding, behaviour_for, run_rules
+from draftline.engines.sglang.args import flag_table_for, parse_version, read_argv
+from draftline.engines.sglang.real import PHASES, Rejection, find_installation, run_sglang_checks, sglang_root
+from draftline.engines.sglang.rules import SERVER_ARGS_PHASES, Context, Finding, behaviour_for, run_rules
 
 __all__ = [
     "Finding",
     "PreflightError",
     "preflight",
+    "preflight_report",
+    "PreflightReport",
     "has_errors",
     "format_findings",
-    "real_parser_check",
-    "real_parser_check_many",
 ]
 
 
@@ -42,40 +42,104 @@ class PreflightError(ValueError):
 
 
 def _version_findings(version: str, table_version: str) -> list[Finding]:
-    findings = []
-    checked = [row.checked_version for row in VERSION_TABLE]
+    """A warning for a version without a flag table of its own (every release on PyPI from 0.5.6 has one)."""
+    if table_version == version:
+        return []
     row = behaviour_for(version)
-    if version not in checked:
-        newest = checked[-1]
-        where = (
-            f"newer than the newest checked version {newest}"
-            if parse_version(version) > parse_version(newest)
-            else f"not one of the checked versions ({', '.join(checked)})"
-        )
-        findings.append(
-            Finding(
-                "warning", "unchecked-version", (), f"SGLang {version} is {where}; its rules are taken from "
-                f"{row.checked_version} and its flags from the {table_version} table.",
-                "check behaviour in that version's server_args.py, add a row to rules.VERSION_TABLE and run "
-                "scripts/gen_sglang_flags.py on its wheel",
-            )  # fmt: skip
-        )
-    return findings
+    return [
+        Finding(
+            "warning", "unchecked-version", (), f"SGLang {version} has no flag table of its own; its flags are taken "
+            f"from release {table_version} and its rules from the generation read on {row.checked_version}.",
+            f"run scripts/setup_sglang_venv.sh {version} and scripts/gen_sglang_flags.py .sglang/wheels/sglang-{version}-*.whl",
+        )  # fmt: skip
+    ]
 
 
-def preflight(argv: list[str] | str, version: str = "0.5.23", *, check_checkpoints: bool = True) -> list[Finding]:
+@dataclass
+class PreflightReport:
+    findings: list[Finding]
+    applied: str  # which release's flag table and rules were used, and whether SGLang itself was asked
+
+
+def _sglang_flags(rejection: Rejection, ctx: Context) -> tuple[str, ...]:
+    """The options an SGLang exception is about: option strings in its message, field names in it or its statement."""
+    text = f"{rejection.message} {rejection.source or ''}"
+    found: list[str] = []
+    for option in re.findall(r"--[a-z0-9][a-z0-9-]*", rejection.message):
+        if option in ctx.table.flags and option not in found:
+            found.append(option)
+    dests = {spec.dest for spec in ctx.table.flags.values()}
+    for name in re.findall(r"[a-z][a-z0-9_]+", text):
+        if name in dests and (option := ctx.opt(name)) not in found:
+            found.append(option)
+    given = [option for option in found if ctx.parsed.given(ctx.table.flags[option].dest if option in ctx.table.flags else "")]
+    return tuple(given or found)
+
+
+def _own_finding(rejection: Rejection, ctx: Context, rule_errors: list[Finding]) -> tuple[Finding, Optional[Finding]]:
+    """SGLang's exception as a finding; the fix comes from the rule that predicted it, when one did."""
+    flags = _sglang_flags(rejection, ctx)
+    phase = "parse" if rejection.phase == "parse" else "server-args"
+    predicted = [f for f in rule_errors if f.phase == phase]
+    match = next((f for f in predicted if set(f.flags) & set(flags)), predicted[0] if predicted else None)
+    what = f"{rejection.type}: {rejection.message}" if rejection.message else rejection.type
+    statement = f" (`{rejection.source}`)" if rejection.source and rejection.type == "AssertionError" else ""
+    message = f"SGLang {ctx.version} itself rejects this command in {PHASES[rejection.phase]}: {what}{statement}"
+    if match is not None:
+        message += f". {match.message}"
+    fix = match.fix if match else f"change {', '.join(flags) or 'the arguments'} as SGLang's message says (see `sglang serve --help`)"
+    return Finding("error", "sglang", flags or (match.flags if match else ()), message, fix, phase, rejection.where), match
+
+
+def preflight_report(
+    argv: list[str] | str, version: str = "0.5.23", *, check_checkpoints: bool = True, sglang: str = "never"
+) -> PreflightReport:
     """All findings for an SGLang launch argv (with or without `python -m sglang.launch_server` in front).
 
     `check_checkpoints` reads config.json / safetensors headers of local --model-path and
-    --speculative-draft-model-path directories (never tensors).
+    --speculative-draft-model-path directories (never tensors). `sglang`: "never" (the rule table only),
+    "auto" (also run that release's own argument checks when it is installed, see real.py), "required" (an error
+    when it is not installed). SGLang's verdict replaces the rule table's for the phases it runs (parsing and
+    ServerArgs); the rule table still reports what fails after ServerArgs (loading, the first draft step).
     """
     parse_version(version)  # a clear ValueError for a malformed version, before anything else
     table = flag_table_for(version)
     parsed = read_argv(argv, table)
-    ctx = Context(parsed=parsed, table=table, version=version, behaviour=behaviour_for(version), check_checkpoints=check_checkpoints)
+    behaviour = behaviour_for(version)
+    ctx = Context(parsed=parsed, table=table, version=version, behaviour=behaviour, check_checkpoints=check_checkpoints)
     findings = _version_findings(version, table.version) + run_rules(ctx)
+    applied = (
+        f"SGLang {version}: flags of release {table.version} (flags/{table.version}.json), rules of "
+        f"{behaviour.first_version}{' up to ' + behaviour.before_version if behaviour.before_version else '+'} "
+        f"(read from {behaviour.checked_version})"
+    )
+    if sglang != "never":
+        installation = find_installation(version)
+        target = parsed.value("model_path")
+        if installation is None:
+            note = f"not installed (scripts/setup_sglang_venv.sh {version})"
+            if sglang == "required":
+                findings.append(Finding("error", "sglang-not-installed", (), f"SGLang {version} is not installed under {sglang_root()}", f"run scripts/setup_sglang_venv.sh {version}"))
+        elif target is None or not (Path(target).expanduser() / "config.json").is_file():
+            note = f"not run: they need the target's config.json and --model-path {target!r} is not a local model directory"
+        else:
+            rejection = run_sglang_checks([argv], installation, table).results[0]
+            own_phase_errors = [f for f in findings if f.level == "error" and f.phase in SERVER_ARGS_PHASES]
+            findings = [f for f in findings if f not in own_phase_errors]
+            if rejection is None:
+                note = "ran: accepted by prepare_server_args and check_server_args"
+            else:
+                own, matched = _own_finding(rejection, ctx, own_phase_errors)
+                findings = [own] + [f for f in own_phase_errors if f is not matched] + findings
+                note = f"ran: rejected in {PHASES[rejection.phase]}"
+        applied += f"; SGLang's own checks: {note}"
     # Errors first, then in rule-table order (stable sort keeps it).
-    return sorted(findings, key=lambda f: f.level != "error")
+    return PreflightReport(sorted(findings, key=lambda f: f.level != "error"), applied)
+
+
+def preflight(argv: list[str] | str, version: str = "0.5.23", *, check_checkpoints: bool = True, sglang: str = "never") -> list[Finding]:
+    """The findings of `preflight_report`."""
+    return preflight_report(argv, version, check_checkpoints=check_checkpoints, sglang=sglang).findings
 
 
 def has_errors(findings: list[Finding]) -> bool:
@@ -89,64 +153,3 @@ def format_findings(findings: list[Finding]) -> str:
     lines = [str(f) for f in findings]
     lines.append(f"{errors} error(s), {len(findings) - errors} warning(s)")
     return "\n".join(lines)
-
-
-# Runs inside the sglang interpreter: build SGLang's parser once and report what it rejects in each argv, as JSON.
-_REAL_PARSER_PROGRAM = r"""
-import argparse, json, sys
-import sglang
-from sglang.srt.server_args import ServerArgs
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ValueError(message)
-parser = Parser(prog="sglang serve")
-ServerArgs.add_cli_args(parser)
-options = sorted(o for a in parser._actions for o in a.option_strings)
-results = []
-for argv in json.loads(sys.stdin.read()):
-    try:
-        _, unknown = parser.parse_known_args(argv)
-        error = None
-    except ValueError as err:
-        unknown, error = [], str(err)
-    results.append({"unknown": unknown, "error": error})
-print(json.dumps({"version": getattr(sglang, "__version__", None), "options": options, "results": results}))
-"""
-
-
-def real_parser_check_many(argvs: list[list[str] | str], python: str | Path, timeout_s: float = 300) -> dict:
-    """Parse each argv with SGLang's own parser in `python` (an interpreter with sglang installed), in one process.
-
-    Returns {"version", "options": [every option string], "results": [{"unknown": [...], "error": str|None}, ...]}.
-    Raises RuntimeError (with the interpreter's stderr) when sglang cannot be imported there.
-    """
-    options_only = [strip_launcher(split_command(argv))[1] for argv in argvs]
-    proc = subprocess.run(
-        [str(python), "-c", _REAL_PARSER_PROGRAM],
-        input=json.dumps(options_only),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{python}: could not run SGLang's parser (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def real_parser_check(argv: list[str] | str, python: str | Path, timeout_s: float = 300) -> dict:
-    """One argv: {"version", "options", "unknown": [...], "error": str|None}."""
-    report = real_parser_check_many([argv], python, timeout_s)
-    return {"version": report["version"], "options": report["options"], **report["results"][0]}
-
-
-def sglang_version_of(python: str | Path, timeout_s: float = 60) -> Optional[str]:
-    """The sglang version installed for an interpreter, from package metadata (no sglang import)."""
-    proc = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if proc.returncode != 0:
-        return None
-    return proc.stdout.strip() or None

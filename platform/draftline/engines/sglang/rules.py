@@ -45,12 +45,23 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version
 from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
 from draftline.target.aux_layers import AuxLayerIdError, capture_ids_from_written, family_of
+
+
+# Where SGLang fails, in launch order. An error of the first two phases stops `prepare_server_args` /
+# `check_server_args` (and is what SGLang's own checks report); the later ones pass ServerArgs and fail after.
+PHASE_TEXT = {
+    "parse": "argument parsing",
+    "server-args": "ServerArgs validation",
+    "load": "model / draft loading (after ServerArgs)",
+    "first-draft-step": "the first speculative step (after loading)",
+}
+SERVER_ARGS_PHASES = ("parse", "server-args")
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,14 @@ class Finding:
     flags: tuple[str, ...]
     message: str
     fix: str
+    phase: Optional[str] = None  # a key of PHASE_TEXT (errors); None for warnings
+    where: Optional[str] = None  # file:line in SGLang, when SGLang itself raised
 
     def __str__(self) -> str:
         flags = f" [{', '.join(self.flags)}]" if self.flags else ""
-        return f"{self.level}: {self.rule}{flags}: {self.message}\n  fix: {self.fix}"
+        phase = f" (fails at {PHASE_TEXT.get(self.phase, self.phase)})" if self.phase and self.level == "error" else ""
+        where = f"\n  at: {self.where}" if self.where else ""
+        return f"{self.level}: {self.rule}{flags}{phase}: {self.message}\n  fix: {self.fix}{where}"
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,10 @@ class VersionBehaviour:
     auto_params_other: tuple[int, int, int]
     eagle3_draft_architectures: tuple[str, ...]
     fixed_aux_layer_count: Optional[int]  # 0.5.6's EAGLE3 fc always takes 3 aux states
+    reads_draft_config: bool  # ServerArgs reads the draft's config.json (a missing draft path fails there)
+    pp_speculative_algorithms: tuple[str, ...]  # what check_server_args allows with --pp-size > 1
+    adaptive_candidate_steps: Optional[tuple[int, ...]]  # --speculative-num-steps must be one of them (default config)
+    checks_draft_window: bool  # ServerArgs refuses a non-positive --speculative-draft-window-size
 
     def covers(self, version: str) -> bool:
         v = parse_version(version)
@@ -92,11 +111,14 @@ class VersionBehaviour:
 
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 
+# One row per generation of SGLang's argument code (see scripts/setup_sglang_venv.sh for how a release is installed):
+# 0.5.6-0.5.9 one ServerArgs.__post_init__; 0.5.10-0.5.12 + --speculative-adaptive; 0.5.13-0.5.19 the speculative
+# hook module (arg_groups/speculative_hook.py); 0.5.20+ arg_groups namespaces and resolve_once().
 VERSION_TABLE: tuple[VersionBehaviour, ...] = (
     VersionBehaviour(
         checked_version="0.5.6",
         first_version="0.5.6",
-        before_version="0.5.12",
+        before_version="0.5.10",
         source="sglang/srt/server_args.py ServerArgs._handle_speculative_decoding",
         algorithm_choices=("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
         builtin_algorithms=("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
@@ -106,11 +128,15 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         auto_params_other=(5, 4, 8),
         eagle3_draft_architectures=("LlamaForCausalLMEagle3",),
         fixed_aux_layer_count=3,
+        reads_draft_config=False,
+        pp_speculative_algorithms=(),
+        adaptive_candidate_steps=None,
+        checks_draft_window=False,
     ),
     VersionBehaviour(
         checked_version="0.5.12",
-        first_version="0.5.12",
-        before_version="0.5.23",
+        first_version="0.5.10",
+        before_version="0.5.13",
         source="sglang/srt/server_args.py ServerArgs._handle_speculative_decoding",
         algorithm_choices=None,
         builtin_algorithms=("DFLASH", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NEXTN", "NGRAM", "STANDALONE"),
@@ -120,10 +146,32 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         auto_params_other=(5, 4, 8),
         eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
         fixed_aux_layer_count=None,
+        reads_draft_config=True,
+        pp_speculative_algorithms=(),
+        adaptive_candidate_steps=None,
+        checks_draft_window=False,
+    ),
+    VersionBehaviour(
+        checked_version="0.5.13",
+        first_version="0.5.13",
+        before_version="0.5.20",
+        source="sglang/srt/arg_groups/speculative_hook.py handle_speculative_decoding",
+        algorithm_choices=None,
+        builtin_algorithms=("DFLASH", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NEXTN", "NGRAM", "STANDALONE"),
+        page_tree_backends=("flashinfer", "fa3", "triton"),
+        adaptive_skips_triple_assert=False,
+        auto_params_llama=(5, 4, 8),
+        auto_params_other=(3, 1, 4),
+        eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
+        fixed_aux_layer_count=None,
+        reads_draft_config=True,
+        pp_speculative_algorithms=(),
+        adaptive_candidate_steps=(1, 3, 7),
+        checks_draft_window=True,
     ),
     VersionBehaviour(
         checked_version="0.5.23",
-        first_version="0.5.23",
+        first_version="0.5.20",
         before_version=None,
         source="sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family",
         algorithm_choices=None,
@@ -136,6 +184,10 @@ VERSION_TABLE: tuple[VersionBehaviour, ...] = (
         auto_params_other=(3, 1, 4),
         eagle3_draft_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
         fixed_aux_layer_count=None,
+        reads_draft_config=True,
+        pp_speculative_algorithms=("EAGLE",),
+        adaptive_candidate_steps=(0, 1, 3, 5, 7),
+        checks_draft_window=True,
     ),
 )
 
@@ -207,6 +259,18 @@ class Context:
     def adaptive(self) -> bool:
         return self.parsed.flag_set("speculative_adaptive")
 
+    @property
+    def adaptive_stays_on(self) -> bool:
+        """SGLang turns --speculative-adaptive off (with a warning) unless EAGLE/EAGLE3, topk 1 or unset, no DP attention
+        (speculative/adaptive_spec_params.py adaptive_unsupported_reason); the triple checks then apply as without it."""
+        topk = self.int_value("speculative_eagle_topk")
+        return (
+            self.adaptive
+            and self.algorithm in ("EAGLE", "EAGLE3")
+            and topk in (None, 1)
+            and not self.parsed.flag_set("enable_dp_attention")
+        )
+
     def opt(self, dest: str) -> str:
         return self.parsed.option_name(dest)
 
@@ -223,10 +287,11 @@ class Rule:
     id: str
     summary: str
     check: Check
+    phase: str = "server-args"  # where SGLang fails for this rule's errors, unless a finding says otherwise
 
 
-def _err(rule: str, flags, message: str, fix: str) -> Finding:
-    return Finding("error", rule, tuple(flags), message, fix)
+def _err(rule: str, flags, message: str, fix: str, phase: Optional[str] = None) -> Finding:
+    return Finding("error", rule, tuple(flags), message, fix, phase)
 
 
 def _warn(rule: str, flags, message: str, fix: str) -> Finding:
@@ -426,6 +491,7 @@ def check_algorithm(ctx: Context) -> Iterator[Finding]:
                 "algorithm-name", [option],
                 f"SGLang {ctx.version} checks {option} against case-sensitive choices; {raw!r} is rejected at parse time.",
                 f"write {option} {raw.upper()}",
+                phase="parse",
             )  # fmt: skip
             return
         names = b.algorithm_choices
@@ -440,6 +506,7 @@ def check_algorithm(ctx: Context) -> Iterator[Finding]:
         "SGLang raises 'Unknown speculative algorithm name' (0.5.12+: only after reading the model config; "
         "names registered by a plugin cannot be checked here).",
         f"use {option} {guess}" if guess else f"use one of {', '.join(names)}",
+        phase="parse" if b.algorithm_choices is not None else "server-args",
     )  # fmt: skip
 
 
@@ -468,7 +535,7 @@ def check_spec_without_algorithm(ctx: Context) -> Iterator[Finding]:
 def check_partial_triple(ctx: Context) -> Iterator[Finding]:
     if not ctx.is_eagle_family or ctx.parsed.given("speculative_num_steps"):
         return
-    if ctx.adaptive and ctx.behaviour.adaptive_skips_triple_assert:
+    if ctx.adaptive_stays_on and ctx.behaviour.adaptive_skips_triple_assert:
         return
     given = [d for d in ("speculative_eagle_topk", "speculative_num_draft_tokens") if ctx.parsed.given(d)]
     if not given:
@@ -486,7 +553,11 @@ def check_partial_triple(ctx: Context) -> Iterator[Finding]:
             "add --speculative-num-steps S (and --speculative-num-draft-tokens), or remove "
             f"{', '.join(ctx.opt(d) for d in given)} to let SGLang choose all three"
         )
-    adaptive_note = " (--speculative-adaptive does not avoid this before 0.5.23)" if ctx.adaptive else ""
+    adaptive_note = (
+        " (--speculative-adaptive does not avoid this: SGLang turns it off for this command, or the release predates 0.5.20)"
+        if ctx.adaptive
+        else ""
+    )
     yield _err(
         "partial-speculative-triple", [ctx.opt(d) for d in given] + ["--speculative-num-steps"],
         f"{', '.join(ctx.opt(d) for d in given)} given without --speculative-num-steps: SGLang {ctx.version} "
@@ -502,7 +573,7 @@ def check_steps_without_topk(ctx: Context) -> Iterator[Finding]:
         return
     if ctx.parsed.given("speculative_eagle_topk"):
         return
-    if ctx.adaptive and ctx.behaviour.adaptive_skips_triple_assert:
+    if ctx.adaptive_stays_on and ctx.behaviour.adaptive_skips_triple_assert:
         return
     steps = ctx.int_value("speculative_num_steps")
     shown = steps if steps is not None else "S"
@@ -538,6 +609,7 @@ def check_tree_draft_tokens(ctx: Context) -> Iterator[Finding]:
             f"--speculative-eagle-topk {topk} (a tree) without --speculative-num-draft-tokens: SGLang derives it only "
             "for topk 1 and fails later with it unset.",
             f"add --speculative-num-draft-tokens N with 2 <= N <= {1 + topk + (steps - 1) * topk * topk}",
+            phase="load",
         )  # fmt: skip
         return
     capacity = 1 + topk + (steps - 1) * topk * topk
@@ -547,6 +619,7 @@ def check_tree_draft_tokens(ctx: Context) -> Iterator[Finding]:
             f"--speculative-num-draft-tokens {ndt} is more than a tree of {steps} steps x topk {topk} can hold: "
             f"1 + topk + (steps-1)*topk^2 = {capacity} (root, topk first-step candidates, topk^2 per later step).",
             f"use --speculative-num-draft-tokens <= {capacity}, or more steps / a larger topk",
+            phase="first-draft-step",
         )  # fmt: skip
 
 
@@ -595,7 +668,19 @@ def check_page_size_tree(ctx: Context) -> Iterator[Finding]:
 
 
 def check_draft_path(ctx: Context) -> Iterator[Finding]:
-    if ctx.parsed.value("speculative_draft_model_path") is not None:
+    draft = ctx.parsed.value("speculative_draft_model_path")
+    if draft is not None:
+        info = ctx.checkpoint("speculative_draft_model_path")
+        if ctx.algorithm is not None and info is not None and info.written_as.startswith(("/", ".", "~")) and not info.path.exists():
+            b = ctx.behaviour
+            yield _err(
+                "draft-path-missing", [ctx.opt("speculative_draft_model_path")],
+                f"{draft} does not exist. SGLang {ctx.version} "
+                + ("reads the draft's config inside ServerArgs and raises OSError (it takes the path for a hub repo id)."
+                   if b.reads_draft_config else "fails when the draft worker loads it."),
+                "point --speculative-draft-model-path at the exported draft directory (`draftline export` output)",
+                phase="server-args" if b.reads_draft_config else "load",
+            )  # fmt: skip
         return
     if ctx.algorithm == "EAGLE3":
         yield _err(
@@ -610,6 +695,137 @@ def check_draft_path(ctx: Context) -> Iterator[Finding]:
             "STANDALONE speculative decoding needs a separate small draft model; without "
             "--speculative-draft-model-path SGLang drafts with the target itself.",
             "add --speculative-draft-model-path DRAFT_DIR",
+        )  # fmt: skip
+
+
+def _backend_values(ctx: Context) -> set[str]:
+    return set(_backends(ctx).values())
+
+
+def check_speculative_combinations(ctx: Context) -> Iterator[Finding]:
+    """Combinations SGLang's ServerArgs refuses with speculative decoding (attention, parallelism, paging)."""
+    algo = ctx.algorithm
+    if algo is None:
+        return
+    option = ctx.opt("speculative_algorithm")
+    if "flex_attention" in _backend_values(ctx):
+        yield _err(
+            "flex-attention-speculative", [ctx.opt("attention_backend"), option],
+            f"SGLang {ctx.version} asserts that speculative decoding is not used with the flex_attention backend.",
+            "use another --attention-backend (e.g. triton or flashinfer), or drop speculative decoding",
+        )  # fmt: skip
+    pp_dest = "pp_size" if ctx.parsed.given("pp_size") else "pipeline_parallel_size"  # renamed in 0.5.20
+    pp = ctx.int_value(pp_dest)
+    allowed = ctx.behaviour.pp_speculative_algorithms
+    if pp is not None and pp > 1 and algo not in allowed:
+        yield _err(
+            "pp-speculative", [ctx.opt(pp_dest), option],
+            f"--pp-size {pp} with {algo}: SGLang {ctx.version}'s check_server_args asserts that pipeline parallelism "
+            + ("runs only EAGLE (non-multi-layer) speculative decoding." if allowed else "runs without speculative decoding."),
+            "use --pp-size 1 (tensor parallelism: --tp-size)"
+            + (", or --speculative-algorithm EAGLE with an EAGLE draft" if allowed else ", or drop speculative decoding"),
+        )  # fmt: skip
+    if algo in ("STANDALONE", "NGRAM") and ctx.parsed.flag_set("enable_dp_attention"):
+        yield _err(
+            "dp-attention-speculative", [ctx.opt("enable_dp_attention"), option],
+            f"SGLang {ctx.version} raises ValueError: {algo} speculative decoding does not support DP attention.",
+            "drop --enable-dp-attention, or use EAGLE/EAGLE3",
+        )  # fmt: skip
+    page = ctx.int_value("page_size")
+    if algo == "NGRAM" and page is not None and page > 1:
+        yield _err(
+            "ngram-page-size", [ctx.opt("page_size"), option],
+            f"NGRAM drafts a tree (topk {ctx.int_value('speculative_eagle_topk') or 10} by default) and SGLang "
+            f"{ctx.version} raises ValueError for a tree with --page-size {page} > 1 on paged attention backends.",
+            "use --page-size 1 with NGRAM",
+        )  # fmt: skip
+
+
+def check_adaptive_steps(ctx: Context) -> Iterator[Finding]:
+    """With the default --speculative-adaptive-config (speculative/adaptive_spec_params.py), the starting step count
+    must be one of its candidate_steps."""
+    candidates = ctx.behaviour.adaptive_candidate_steps
+    if candidates is None or not ctx.adaptive_stays_on or ctx.parsed.given("speculative_adaptive_config"):
+        return
+    steps = ctx.int_value("speculative_num_steps")
+    if steps is not None and steps not in candidates:
+        allowed = ", ".join(map(str, candidates))
+        yield _err(
+            "adaptive-steps", [ctx.opt("speculative_num_steps"), ctx.opt("speculative_adaptive")],
+            f"with --speculative-adaptive, SGLang {ctx.version} starts from --speculative-num-steps and raises "
+            f"ValueError when it is not one of the adaptive config's candidate steps ({allowed}); {steps} is not.",
+            f"use --speculative-num-steps one of {allowed}, or pass --speculative-adaptive-config with {steps} in candidate_steps",
+        )  # fmt: skip
+
+
+def check_rejection_sampling(ctx: Context) -> Iterator[Finding]:
+    if not ctx.parsed.flag_set("speculative_use_rejection_sampling"):
+        return
+    option = ctx.opt("speculative_use_rejection_sampling")
+    algo = ctx.algorithm
+    if algo is not None and algo not in ("EAGLE", "EAGLE3", "NEXTN"):
+        yield _err(
+            "rejection-sampling", [option, ctx.opt("speculative_algorithm")],
+            f"SGLang {ctx.version} supports {option} only for EAGLE / EAGLE3 / NEXTN (NotImplementedError for {algo}).",
+            f"drop {option}, or use EAGLE3",
+        )  # fmt: skip
+        return
+    topk = ctx.int_value("speculative_eagle_topk")
+    if topk is not None and topk != 1:
+        yield _err(
+            "rejection-sampling", [option, ctx.opt("speculative_eagle_topk")],
+            f"{option} verifies a chain: SGLang {ctx.version} requires --speculative-eagle-topk 1 (got {topk}).",
+            f"use --speculative-eagle-topk 1 with {option}, or drop it for tree drafting",
+        )  # fmt: skip
+    thresholds = [ctx.opt(d) for d in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc") if ctx.parsed.given(d)]
+    if thresholds:
+        yield _err(
+            "rejection-sampling", [option, *thresholds],
+            f"{option} is incompatible with {' / '.join(thresholds)} in SGLang {ctx.version} (rejection sampling "
+            "decides acceptance itself).",
+            f"drop {' and '.join(thresholds)}",
+        )  # fmt: skip
+
+
+def check_draft_window(ctx: Context) -> Iterator[Finding]:
+    window = ctx.int_value("speculative_draft_window_size")
+    sink = ctx.int_value("speculative_draft_sink_size")
+    if window is not None and window <= 0 and ctx.behaviour.checks_draft_window:
+        yield _err(
+            "draft-window", [ctx.opt("speculative_draft_window_size")],
+            f"SGLang {ctx.version} requires a positive --speculative-draft-window-size (got {window}).",
+            "use a positive window (tokens of draft attention), or drop the option",
+        )  # fmt: skip
+    if sink is None:
+        return
+    if sink < 0:
+        yield _err(
+            "draft-window", [ctx.opt("speculative_draft_sink_size")],
+            f"SGLang {ctx.version} requires a non-negative --speculative-draft-sink-size (got {sink}).",
+            "use --speculative-draft-sink-size 0 or more",
+        )  # fmt: skip
+    if window is None:
+        yield _err(
+            "draft-window", [ctx.opt("speculative_draft_sink_size"), ctx.opt("speculative_draft_window_size")],
+            f"--speculative-draft-sink-size requires --speculative-draft-window-size in SGLang {ctx.version}.",
+            "add --speculative-draft-window-size N, or drop --speculative-draft-sink-size",
+        )  # fmt: skip
+
+
+def check_dflash_block(ctx: Context) -> Iterator[Finding]:
+    block = ctx.int_value("speculative_dflash_block_size")
+    if ctx.algorithm != "DFLASH" or block is None:
+        return
+    option = ctx.opt("speculative_dflash_block_size")
+    if block <= 0:
+        yield _err("dflash-block-size", [option], f"SGLang {ctx.version} requires a positive {option} (got {block}).", f"use a positive {option} (the verify window)")
+        return
+    ndt = ctx.int_value("speculative_num_draft_tokens")
+    if ndt is not None and ndt != block:
+        yield _err(
+            "dflash-block-size", [option, ctx.opt("speculative_num_draft_tokens")],
+            f"for DFLASH, {option} {block} and --speculative-num-draft-tokens {ndt} must match; SGLang {ctx.version} raises ValueError.",
+            f"drop --speculative-num-draft-tokens (DFLASH takes it from {option}), or make them equal",
         )  # fmt: skip
 
 
@@ -723,12 +939,12 @@ def check_checkpoints(ctx: Context) -> Iterator[Finding]:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("unknown-flag", "unknown options (did-you-mean), vLLM names mapped to SGLang's, abbreviations", check_unknown_flags),
-    Rule("stray-value", "tokens not attached to any option", check_positionals),
-    Rule("flag-value", "missing values, non-numbers, invalid choices", check_flag_values),
+    Rule("unknown-flag", "unknown options (did-you-mean), vLLM names mapped to SGLang's, abbreviations", check_unknown_flags, "parse"),
+    Rule("stray-value", "tokens not attached to any option", check_positionals, "parse"),
+    Rule("flag-value", "missing values, non-numbers, invalid choices", check_flag_values, "parse"),
     Rule("duplicate-flag", "an option given twice (last wins)", check_duplicates),
     Rule("deprecated-flag", "deprecated options", check_deprecated),
-    Rule("required-flag", "required options missing", check_required),
+    Rule("required-flag", "required options missing", check_required, "parse"),
     Rule("algorithm-name", "speculative algorithm spelled as the version accepts", check_algorithm),
     Rule("speculative-without-algorithm", "speculative tuning without an algorithm", check_spec_without_algorithm),
     Rule("partial-speculative-triple", "topk / draft tokens without num_steps (bare AssertionError)", check_partial_triple),
@@ -736,12 +952,21 @@ RULES: tuple[Rule, ...] = (
     Rule("tree-draft-tokens", "topk 1 rewrite, tree capacity, missing draft tokens", check_tree_draft_tokens),
     Rule("trtllm-mha-topk", "trtllm_mha only with topk 1", check_trtllm_topk),
     Rule("page-size-tree-backend", "topk > 1 with page_size > 1 needs certain backends", check_page_size_tree),
-    Rule("eagle3-without-draft", "EAGLE3 / STANDALONE without a draft path", check_draft_path),
+    Rule("eagle3-without-draft", "EAGLE3 / STANDALONE without a draft path", check_draft_path, "load"),
+    Rule("speculative-combinations", "flex_attention, pipeline parallelism, DP attention, NGRAM paging", check_speculative_combinations),
+    Rule("adaptive-steps", "--speculative-adaptive starts from one of its candidate step counts", check_adaptive_steps),
+    Rule("rejection-sampling", "rejection sampling: EAGLE family, topk 1, no thresholds", check_rejection_sampling),
+    Rule("draft-window", "draft attention window and sink sizes", check_draft_window),
+    Rule("dflash-block-size", "DFLASH block size positive and equal to the verify width", check_dflash_block),
     Rule("auto-speculative-params", "triple chosen by SGLang (differs by version)", check_auto_params),
-    Rule("checkpoints", "draft vs target config.json / d2t / aux layer ids", check_checkpoints),
+    Rule("checkpoints", "draft vs target config.json / d2t / aux layer ids", check_checkpoints, "load"),
 )
 
 
 def run_rules(ctx: Context) -> list[Finding]:
-    return [finding for rule in RULES for finding in rule.check(ctx)]
+    return [
+        replace(finding, phase=finding.phase or rule.phase) if finding.level == "error" else finding
+        for rule in RULES
+        for finding in rule.check(ctx)
+    ]
 

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from draftline.utils import free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
 
 # A bench of a few short prompts: real accept length, speedup and losslessness in seconds (add bench.concurrency).
 SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16"]
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now: other test runs and helpers serve on this machine too, so never a fixed one."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

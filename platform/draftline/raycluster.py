@@ -19,11 +19,10 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 from pathlib import Path
 
 from draftline.config import DraftlineConfig
-from draftline.utils import atomic_write_text
+from draftline.utils import atomic_write_text, free_port
 
 
 def local_auth_env() -> dict[str, str]:
@@ -90,12 +89,6 @@ def code_runtime_env() -> dict:
 _ray_mode: str | None = None
 
 
-def free_local_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _environment_for_ray_processes(hidden: tuple[str, ...]):
     """Set what Ray's processes must inherit (a pinned address) and hide what they must not (the serving API token,
@@ -120,7 +113,7 @@ def _pinned_local_address():
     processes start: they, and every worker the raylet forks, inherit them. The driver's own environment is
     restored afterwards, so subprocesses of this one (a CLI run by a test) still start clusters of their own.
     """
-    port = free_local_port()
+    port = free_port()
     pinned = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}"}
     saved = {name: os.environ.get(name) for name in pinned}
     os.environ.update(pinned)

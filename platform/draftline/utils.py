@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,13 @@ def split_of(key: str, val_fraction: float, bench_fraction: float) -> str:
 def redact_uri_credentials(text: str) -> str:
     """`https://user:secret@host/x` -> `https://user:***@host/x`: configs are logged to MLflow, credentials must not be."""
     return re.sub(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]*):[^@/\s]*@", r"\1:***@", text)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (servers, tests and other runs share this machine: never a fixed one)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:

@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from registry_helpers import mlflow_test_config
-from serve_helpers import free_port, start_serving, stop_serving
+from conftest import free_port
+from serve_helpers import start_serving, stop_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -15,7 +15,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Callable, Optional
@@ -33,12 +32,6 @@ def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it when the process that started it dies."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

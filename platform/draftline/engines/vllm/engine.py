@@ -26,7 +26,8 @@ from typing import AsyncIterator, Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import GenerationChunk, SamplingParams, SpecStats
-from draftline.engines.server_process import ServerError, ServerProcess, free_port
+from draftline.engines.server_process import ServerError, ServerProcess
+from draftline.utils import free_port
 
 logger = logging.getLogger("draftline.vllm")
 

@@ -89,17 +89,17 @@ def test_target_only_launches_without_speculative_flags(tiny_target_dir):
 def test_crashed_server_is_restarted(tiny_target_dir, random_drafter_dir, tmp_path, monkeypatch):
     """The fake server exits in the middle of the first request; the engine restarts it and serves again."""
     monkeypatch.setenv("FAKE_SGLANG_CRASH_FILE", str(tmp_path / "crashed-once"))
-    monkeypatch.setattr("draftline.engines.sglang.engine.RESTART_BACKOFF_S", (0.2,))
+    monkeypatch.setattr("draftline.engines.server_process.RESTART_BACKOFF_S", (0.2,))
     engine = SGLangEngine(sglang_config(), tiny_target_dir, random_drafter_dir, launcher=FAKE_SERVER)
 
     async def scenario():
         await engine.start()
-        first_pid = engine._process.pid
+        first_pid = engine.server.pid
         try:
             with pytest.raises(SGLangError, match="closed the stream"):
                 await collect(engine, [1], SamplingParams(max_new_tokens=8))
             chunks = await collect(engine, [1], SamplingParams(max_new_tokens=4))  # waits for the restart
-            return first_pid, engine._process.pid, chunks, await engine.health()
+            return first_pid, engine.server.pid, chunks, await engine.health()
         finally:
             await engine.stop()
 
@@ -128,7 +128,7 @@ def test_preflight_errors_refuse_to_launch(tiny_target_dir, random_drafter_dir):
     engine = SGLangEngine(cfg, tiny_target_dir, random_drafter_dir, launcher=FAKE_SERVER)
     with pytest.raises(PreflightError, match="no-such-flag"):
         asyncio.run(engine.start())
-    assert engine._process is None
+    assert engine.server.pid is None
 
 
 def test_spec_stats_read_every_version_field_name():

@@ -28,6 +28,10 @@ class ServerError(RuntimeError):
     pass
 
 
+class NotConnected(Exception):
+    """The server refused the connection before anything was sent back: the request may be sent again."""
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it when the process that started it dies."""
     if sys.platform.startswith("linux"):
@@ -39,7 +43,7 @@ class ServerProcess:
         self,
         name: str,
         argv: Callable[[], list[str]],
-        env: dict[str, str],
+        env: Optional[dict[str, str]],
         base_url: Callable[[], str],
         health_path: str,
         startup_timeout_s: float,
@@ -47,7 +51,7 @@ class ServerProcess:
         logger: logging.Logger,
         timeout_hint: str,
     ) -> None:
-        """argv and base_url are called at every launch (a relaunch may pick a new port)."""
+        """argv and base_url are called at every launch (a relaunch may pick a new port); env None inherits ours."""
         self.name = name
         self._argv, self._base_url = argv, base_url
         self.env = env

@@ -3,40 +3,32 @@
 - Launch: `build_launch_argv(cfg, target, drafter)` (checked by the preflight: a command with errors is refused
   before anything starts), run with `start_new_session` so the server and its scheduler/detokenizer children
   can be stopped as one process group. Without a drafter the same server runs without speculation.
-- Ready: polls GET /health until 200, at most `engine.sglang.startup_timeout_s`; a server that exits first fails
-  the start with its last log lines.
+- Process: `engines/server_process.py` supervises it, as for vLLM: ready when GET /health answers 200 (at most
+  `engine.sglang.startup_timeout_s`; a server that exits first fails the start with its last log lines), relaunched
+  with exponential backoff when it exits unasked (at most `engine.sglang.max_restarts` times; requests wait for
+  it), stopped as one process group, every output line sent to the `draftline.sglang` logger.
 - Requests: POST /generate with `input_ids` and `stream: true` (httpx), SSE `data: {...}` events until
   `data: [DONE]`. SGLang streams cumulative `output_ids` by default (incremental with
   --incremental-streaming-output); both are handled by comparing with `meta_info.completion_tokens`.
 - Stats: `meta_info` fields (tokenizer_manager.py): `spec_verify_ct` (0.5.6 .. 0.5.23), accepted drafts as
   `spec_num_correct_drafts` (0.5.23) or `spec_accept_token_num` (0.5.6); `completion_tokens`.
-- Crashes: a watcher restarts a server that exits unexpectedly, with exponential backoff, at most
-  `engine.sglang.max_restarts` times; requests wait for the restarted server (up to the startup timeout).
-- Logs: every server output line goes to the `draftline.sglang` logger (and the last lines are kept for errors).
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import json
 import logging
-import os
-import signal
-import time
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
+from draftline.engines.server_process import NotConnected, ServerError, ServerProcess
 
 logger = logging.getLogger("draftline.sglang")
 
-RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
-STOP_GRACE_S = 15.0
 
-
-class SGLangError(RuntimeError):
+class SGLangError(ServerError):
     pass
 
 
@@ -84,14 +76,19 @@ class SGLangEngine:
         self.launcher = launcher
         sglang = self.cfg.engine.sglang
         self.base_url = f"http://{sglang.host}:{sglang.port}"
-        self.restarts = 0
-        self.recent_log_lines: collections.deque[str] = collections.deque(maxlen=200)
-        self._process: Optional[asyncio.subprocess.Process] = None
-        self._ready = asyncio.Event()
-        self._stopping = False
-        self._failed: Optional[str] = None
-        self._tasks: list[asyncio.Task] = []
+        self.server = ServerProcess(
+            "SGLang", self.launch_argv, None, lambda: self.base_url, "/health", sglang.startup_timeout_s,
+            sglang.max_restarts, logger, timeout_hint="raise engine.sglang.startup_timeout_s: large models load slowly",
+        )  # fmt: skip
         self._client = None
+
+    @property
+    def restarts(self) -> int:
+        return self.server.restarts
+
+    @property
+    def recent_log_lines(self):
+        return self.server.recent_log_lines
 
     # -------------------------------------------------------------------------------------------- lifecycle
 
@@ -107,86 +104,18 @@ class SGLangEngine:
     async def start(self) -> None:
         import httpx
 
-        argv = self.launch_argv()
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(None, connect=10.0))
-        self._stopping = False
-        await self._launch(argv)
-        self._tasks.append(asyncio.create_task(self._watch(argv), name="sglang-watch"))
-
-    async def _launch(self, argv: list[str]) -> None:
-        self._ready.clear()
-        logger.info("launching: %s", " ".join(argv))
-        self._process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self._tasks.append(asyncio.create_task(self._forward_logs(self._process), name="sglang-logs"))
-        await self._wait_healthy(self._process)
-        self._ready.set()
-
-    async def _forward_logs(self, process: asyncio.subprocess.Process) -> None:
-        assert process.stdout is not None
-        async for raw in process.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            self.recent_log_lines.append(line)
-            logger.info("[sglang pid %s] %s", process.pid, line)
-
-    async def _wait_healthy(self, process: asyncio.subprocess.Process) -> None:
-        timeout_s = self.cfg.engine.sglang.startup_timeout_s
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if process.returncode is not None:
-                raise SGLangError(
-                    f"SGLang exited with code {process.returncode} before it was healthy; last log lines:\n"
-                    + "\n".join(list(self.recent_log_lines)[-20:])
-                )
-            try:
-                response = await self._client.get("/health", timeout=5.0)
-                if response.status_code == 200:
-                    return
-            except Exception:  # connection refused while the server is loading
-                pass
-            await asyncio.sleep(0.25)
-        await self._terminate(process)
-        raise SGLangError(
-            f"SGLang at {self.base_url} was not healthy within engine.sglang.startup_timeout_s={timeout_s}; "
-            "raise the timeout (large models load slowly) or read the log lines above"
-        )
-
-    async def _watch(self, argv: list[str]) -> None:
-        """Restart a server that exits while nobody asked it to stop."""
-        while not self._stopping:
-            process = self._process
-            code = await process.wait()
-            if self._stopping:
-                return
-            self._ready.clear()
-            if self.restarts >= self.cfg.engine.sglang.max_restarts:
-                self._failed = (
-                    f"SGLang exited with code {code} and engine.sglang.max_restarts="
-                    f"{self.cfg.engine.sglang.max_restarts} restarts are used up"
-                )
-                logger.error(self._failed)
-                self._ready.set()  # wake waiting requests so they fail fast
-                return
-            backoff_s = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
-            self.restarts += 1
-            logger.warning("SGLang exited with code %s; restart %d in %.0f s", code, self.restarts, backoff_s)
-            await asyncio.sleep(backoff_s)
-            try:
-                await self._launch(argv)
-            except SGLangError as err:
-                logger.error("restart %d failed: %s", self.restarts, err)
+        try:
+            await self.server.start()
+        except ServerError as err:
+            await self.stop()
+            raise SGLangError(str(err)) from None
+        except Exception:  # the preflight refused the command (PreflightError): nothing was started
+            await self.stop()
+            raise
 
     async def health(self) -> bool:
-        if self._failed or self._process is None or self._process.returncode is not None or not self._ready.is_set():
-            return False
-        try:
-            return (await self._client.get("/health", timeout=5.0)).status_code == 200
-        except Exception:
-            return False
+        return self.server.running and await self.server.healthy()
 
     async def model_info(self) -> dict:
         response = await self._client.get("/get_model_info")
@@ -194,46 +123,17 @@ class SGLangEngine:
         return response.json()
 
     async def stop(self) -> None:
-        self._stopping = True
-        if self._process is not None:
-            await self._terminate(self._process)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-    async def _terminate(self, process: asyncio.subprocess.Process) -> None:
-        if process.returncode is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                await asyncio.wait_for(process.wait(), wait_s)
-                return
-            except asyncio.TimeoutError:
-                continue
+        await self.server.stop()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
     # ------------------------------------------------------------------------------------------ generation
-
-    async def _wait_ready(self) -> None:
-        timeout_s = self.cfg.engine.sglang.startup_timeout_s
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            raise SGLangError(f"SGLang at {self.base_url} did not come back within {timeout_s} s") from None
-        if self._failed:
-            raise SGLangError(self._failed)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         if self._client is None:
             raise SGLangError("SGLangEngine.generate before start(): await engine.start() first")
-        await self._wait_ready()
+        await self.server.wait_ready()
         sampling = {
             "max_new_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -242,16 +142,15 @@ class SGLangEngine:
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
         body = {"input_ids": list(prompt_ids), "sampling_params": sampling, "stream": True}
-        for attempt in range(self.cfg.engine.sglang.max_restarts + 1):
+        for _ in range(self.cfg.engine.sglang.max_restarts + 1):
+            pid = self.server.pid
             try:
                 async for chunk in self._stream(body):
                     yield chunk
                 return
-            except _NotConnected:
-                # The server went away between requests: the watcher is restarting it. Nothing was streamed yet,
-                # so the request can be sent again once it is back.
-                await asyncio.sleep(0.5)
-                await self._wait_ready()
+            except NotConnected:
+                # The server went away before anything streamed: the watcher relaunches it; send again then.
+                await self.server.wait_relaunched(pid)
         raise SGLangError(f"SGLang at {self.base_url} refused connections {self.cfg.engine.sglang.max_restarts + 1} times")
 
     async def _stream(self, body: dict) -> AsyncIterator[GenerationChunk]:
@@ -269,12 +168,12 @@ class SGLangEngine:
                     if chunk.finished:
                         return
         except httpx.ConnectError:
-            raise _NotConnected() from None
+            raise NotConnected() from None
         except httpx.TransportError as err:
             if not streamed:
                 # A pooled connection to a server that has just died (before the watcher saw it exit): nothing
                 # reached the caller, so the request can be sent again once the server is back.
-                raise _NotConnected() from None
+                raise NotConnected() from None
             raise SGLangError(f"SGLang closed the stream mid-request (did the server crash?): {err!r}") from None
         raise SGLangError("SGLang closed the stream before the request finished (did the server crash?)")
 
@@ -308,7 +207,3 @@ async def _chunks_of(response) -> AsyncIterator[GenerationChunk]:
             finish_reason=reason,
             stats=spec_stats_from_meta(meta) if reason is not None else None,
         )
-
-
-class _NotConnected(Exception):
-    """The server refused the connection before anything was sent back."""

@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
-from draftline.engines.base import GenerationChunk, SamplingParams, SpecStats
-from draftline.engines.server_process import ServerError, ServerProcess
+from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
+from draftline.engines.server_process import NotConnected, ServerError, ServerProcess
 from draftline.utils import free_port
 
 logger = logging.getLogger("draftline.vllm")
 
-TARGET_ONLY = "target-only"
 SERVED_MODEL_NAME = "target"
 REPO_ROOT = Path(__file__).resolve().parents[4]
 
@@ -271,7 +270,7 @@ class VLLMEngine:
                 async for chunk in self._stream(body):
                     yield chunk
                 return
-            except _NotConnected:
+            except NotConnected:
                 # The server went away before anything streamed: the watcher relaunches it; send again then.
                 await self.server.wait_relaunched(pid)
         raise VLLMError(f"vLLM at {self.base_url} refused connections {self.cfg.engine.vllm.max_restarts + 1} times")
@@ -306,14 +305,10 @@ class VLLMEngine:
                         if finished:
                             return
         except httpx.ConnectError:
-            raise _NotConnected() from None
+            raise NotConnected() from None
         except httpx.TransportError as err:
             if not streamed:
-                raise _NotConnected() from None
+                raise NotConnected() from None
             raise VLLMError(f"vLLM closed the stream mid-request (did the server crash?): {err!r}") from None
         raise VLLMError("vLLM closed the stream before the request finished (did the server crash?)")
-
-
-class _NotConnected(Exception):
-    """The server refused the connection before anything was sent back."""
 

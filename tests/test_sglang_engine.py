@@ -143,5 +143,5 @@ def test_spec_stats_read_every_version_field_name():
 def test_factory_builds_the_configured_backend(tiny_target_dir):
     from draftline.engines import ENGINE_BACKENDS, make_engine
 
-    assert set(ENGINE_BACKENDS) == {"reference", "sglang"}
+    assert set(ENGINE_BACKENDS) == {"reference", "sglang", "vllm"}
     assert isinstance(make_engine(sglang_config(), tiny_target_dir), SGLangEngine)

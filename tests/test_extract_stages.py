@@ -1,0 +1,131 @@
+"""A target split into pipeline stages (draftline.target.stages) captures exactly what the whole target captures.
+
+Stage actors run on the real local Ray cluster (the `ray_cluster` fixture), each loading only its layers with the
+model's own transformers class. Compared in fp32 with atol 0: the test-size Llama target (3 stages, uneven split)
+and a random-weight test-size DeepSeek-V3 target (MLA, dense first layer then MoE with a shared expert, YaRN; 2
+stages). Every stage actor starts a Python process that imports torch and transformers, so the other families run
+their stages in this process instead (`StageActor` unwrapped): Qwen3 and Qwen3-MoE (fused expert weights loaded from
+per-expert checkpoint tensors), 4 stages of 2 layers each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftline.config import ConfigError, PipelineConfig
+from draftline.extract.shards import num_shards
+from draftline.extract.storage import Storage
+from draftline.extract.worker import SplitTokens, right_padded_batch, run_worker_shards
+from draftline.target.capture import capture_aux_hidden
+from draftline.target.stages import PipelinedTarget, plan_stages
+
+AUX_LAYER_IDS = [1, 3, 6]  # the test target's default for its 8 layers, [1, n//2 - 1, n - 2]: the last stage owns one
+
+
+def test_stage_plans_are_contiguous_and_bad_splits_name_the_field():
+    even = plan_stages(8, PipelineConfig(stages=3))
+    assert [(p.start, p.end) for p in even] == [(0, 3), (3, 6), (6, 8)]
+    assert [(p.is_first, p.is_last) for p in even] == [(True, False), (False, False), (False, True)]
+    assert even[1].owned_aux_ids(AUX_LAYER_IDS) == [3]
+    explicit = plan_stages(61, PipelineConfig(stages=3, layers_per_stage=[21, 20, 20]))
+    assert [(p.start, p.end) for p in explicit] == [(0, 21), (21, 41), (41, 61)]
+    with pytest.raises(ConfigError, match="extract.pipeline.layers_per_stage"):
+        plan_stages(8, PipelineConfig(stages=2, layers_per_stage=[3, 4]))
+    with pytest.raises(ConfigError, match="extract.pipeline.stages is 9"):
+        plan_stages(8, PipelineConfig(stages=9))
+
+
+def _random_target(tmp_path_factory, tiny_cfg, family: str):
+    """A test-size target of `family` with random weights (what is compared is the computation, not the quality)."""
+    from transformers import AutoModelForCausalLM
+
+    from draftline.target.families import build_model_config
+
+    emb = tiny_cfg.target.embedded
+    emb = emb.model_copy(update={"family": family, "num_key_value_heads": emb.num_attention_heads})
+    config = build_model_config(emb, {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    torch.manual_seed(0)
+    target_dir = tmp_path_factory.mktemp(family)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target_dir)
+    return target_dir
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("llama", 3), marks=pytest.mark.slow, id="llama-3-stages"),
+        pytest.param(("deepseek-v3", 2), marks=pytest.mark.slow, id="deepseek-v3-2-stages"),
+    ],
+)
+def pipeline(request, ray_cluster, tiny_cfg, tiny_target_dir, tmp_path_factory, one_torch_thread):
+    """(whole model in this process, the same target as stage actors); one pipeline alive at a time."""
+    from transformers import AutoModelForCausalLM
+
+    family, stages = request.param
+    target_dir = tiny_target_dir if family == "llama" else _random_target(tmp_path_factory, tiny_cfg, family)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    pipelined = PipelinedTarget(target_dir, AUX_LAYER_IDS, PipelineConfig(stages=stages, cpus_per_stage=0.5), "float32")
+    yield model, pipelined
+    pipelined.shutdown()
+
+
+def _sequences(count: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 40, (count,), generator=generator)
+    return [torch.randint(3, 256, (int(length),), generator=generator) for length in lengths]
+
+
+def test_pipelined_capture_is_bit_identical_to_the_whole_model(pipeline):
+    model, pipelined = pipeline
+    assert len({stage["stage"] for stage in pipelined.layout}) == len(pipelined.plans)
+    sequences = _sequences(12, seed=1)
+    batches = [right_padded_batch(sequences[start : start + 3], pad_id=0) for start in range(0, len(sequences), 3)]
+    pipelined_results = list(pipelined.capture_many(batches))  # 4 micro-batches in flight through the stages
+    assert len(pipelined_results) == len(batches)
+    for (input_ids, attention_mask), (aux, final) in zip(batches, pipelined_results):
+        expected_aux, expected_final = capture_aux_hidden(model, input_ids, attention_mask, AUX_LAYER_IDS)
+        assert aux.shape == expected_aux.shape and aux.dtype == torch.float32
+        assert torch.equal(aux, expected_aux), (aux - expected_aux).abs().max()
+        assert torch.equal(final, expected_final), (final - expected_final).abs().max()
+
+
+def test_extraction_shards_through_the_pipeline_are_byte_identical(pipeline, tmp_path):
+    """The offline extract path (`run_worker_shards`, as the worker calls it when extract.pipeline is set)."""
+    model, pipelined = pipeline
+    sequences = _sequences(7, seed=2)
+    split_tokens = SplitTokens.from_samples(
+        [{"input_ids": s.tolist(), "loss_mask": [index % 2] * len(s)} for index, s in enumerate(sequences)]
+    )
+    plan = {"aux_layer_ids": AUX_LAYER_IDS, "samples_per_shard": 4, "batch_size": 2, "pad_id": 0, "dtype": "float32",
+            "shard_metadata": {"format": "draftline-hidden-states"}}  # fmt: skip
+    stores = {name: Storage(str(tmp_path / name)) for name in ("whole", "stages")}
+    assert run_worker_shards(model, split_tokens, stores["whole"], 0, 1, plan)["written"] == 2
+    assert run_worker_shards(pipelined, split_tokens, stores["stages"], 0, 1, plan)["written"] == 2
+    for shard_index in range(num_shards(len(split_tokens), plan["samples_per_shard"])):
+        name = f"shard-{shard_index:05d}.safetensors"
+        assert stores["stages"].read_bytes(name) == stores["whole"].read_bytes(name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
+def test_stages_in_this_process_chain_to_the_whole_model(family, tiny_cfg, tmp_path_factory, one_torch_thread):
+    from transformers import AutoModelForCausalLM
+
+    from draftline.target.stages import StageActor
+
+    target_dir = _random_target(tmp_path_factory, tiny_cfg, family)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    stages = [StageActor(str(target_dir), plan, AUX_LAYER_IDS, "float32", False, None, 1)
+              for plan in plan_stages(model.config.num_hidden_layers, PipelineConfig(stages=4))]  # fmt: skip
+    # Each stage holds only its part, and together they hold the base model once (the LM head is not needed).
+    stage_params = [sum(p.numel() for p in stage.model.parameters()) for stage in stages]
+    assert sum(stage_params) == sum(p.numel() for p in model.base_model.parameters())
+    assert max(stage_params) < sum(stage_params) / 2
+    input_ids, attention_mask = right_padded_batch(_sequences(3, seed=3), pad_id=0)
+    hidden, aux = input_ids, []
+    for stage in stages:
+        hidden, owned = stage.forward(hidden, attention_mask)
+        aux += owned
+    expected_aux, expected_final = capture_aux_hidden(model, input_ids, attention_mask, AUX_LAYER_IDS)
+    assert torch.equal(torch.cat(aux, dim=-1), expected_aux)
+    assert torch.equal(hidden, expected_final)

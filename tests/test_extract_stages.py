@@ -129,3 +129,45 @@ def test_stages_in_this_process_chain_to_the_whole_model(family, tiny_cfg, tmp_p
     expected_aux, expected_final = capture_aux_hidden(model, input_ids, attention_mask, AUX_LAYER_IDS)
     assert torch.equal(torch.cat(aux, dim=-1), expected_aux)
     assert torch.equal(hidden, expected_final)
+
+
+def test_kimi_layout_fits_h200s_by_the_models_own_parameter_count():
+    """configs/kimi-k2.5.yaml's stage layout, checked against Kimi-K2.5's text shape built on the meta device with
+    transformers' DeepSeek-V3 class (no weights): every stage's weights in bf16 plus the activation and context
+    budget of the config's arithmetic (6 GB) fit one 141 GB H200, and the whole target does not fit one node."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from conftest import REPO
+    from draftline.config import load_config
+
+    cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")
+    dense_layers = 1  # layer 0 dense, the rest MoE: a 2-layer skeleton has one of each (building 61 costs 20 s)
+    shape = DeepseekV3Config(
+        vocab_size=cfg.target.vocab_size, hidden_size=cfg.target.hidden_size, num_hidden_layers=2,
+        intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64, num_key_value_heads=64,
+        n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        first_k_dense_replace=dense_layers, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape)
+    base = model.model
+
+    def params(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    layer_params = [params(base.layers[0 if i < dense_layers else 1]) for i in range(cfg.target.num_layers)]
+    bytes_per_weight, h200_bytes, budget_bytes = 2, 141e9, 6e9
+    assert cfg.target.dtype == "bfloat16" and cfg.extract.pipeline.gpus_per_stage == 1
+    stage_bytes = []
+    for plan in plan_stages(cfg.target.num_layers, cfg.extract.pipeline):
+        owned = sum(layer_params[plan.start : plan.end])
+        owned += params(base.embed_tokens) if plan.is_first else 0
+        owned += params(base.norm) if plan.is_last else 0
+        stage_bytes.append(owned * bytes_per_weight)
+    assert max(stage_bytes) + budget_bytes <= h200_bytes, [round(b / 1e9, 1) for b in stage_bytes]
+    assert round(max(stage_bytes) / 1e9, 1) == 102.4  # the figures written beside the config
+    whole = sum(layer_params) + 2 * params(base.embed_tokens) + params(base.norm)  # with the LM head
+    assert round(whole / 1e12, 2) == 1.03
+    assert whole * bytes_per_weight > 8 * h200_bytes  # why one node is not enough
+    assert 4 * layer_params[1] * bytes_per_weight + budget_bytes > h200_bytes  # why 3 layers per stage at most

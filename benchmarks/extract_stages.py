@@ -4,10 +4,11 @@
 
 For each width: a random-weight Llama of the test target's shape (8 layers; tests/conftest.py) at that hidden size.
 Round by round, in rotating order over the same micro-batches: the whole model in this process
-(`capture_aux_hidden` batch by batch, torch threads = the machine's cores) and each pipeline
+(`capture_aux_hidden` batch by batch, with 1 and with all the machine's cores as torch threads) and each pipeline
 (`PipelinedTarget.capture_many`, one stage actor per `cpus_per_stage` CPU, several micro-batches in flight).
 Stage start-up (actor processes, loading) is excluded: extraction pays it once per worker. Prints JSON with
-tokens/s per mode, their ratio and the load average before and after.
+tokens/s per mode and round, the best of each against the best single-process run, and the load average
+before and after. On a loaded shared machine several processes get more of the CPUs than one: compare on an idle one.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def timed_tokens_per_s(run, batches) -> float:
     return sum(int(mask.sum()) for _, mask in batches) / elapsed
 
 
+def single_process(model, batches, threads: int) -> list:
+    torch.set_num_threads(threads)
+    return [capture_aux_hidden(model, ids, mask, AUX_LAYER_IDS) for ids, mask in batches]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden-sizes", type=int, nargs="+", default=[96, 512])
@@ -72,7 +78,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--single-threads", type=int, default=os.cpu_count(), help="torch threads of the single process")
+    parser.add_argument("--single-threads", type=int, nargs="+", default=[1, os.cpu_count()],
+                        help="torch threads of the single-process runs")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -94,11 +101,8 @@ def main() -> None:
                 f"{stages} stages": (lambda b, p=pipeline: list(p.capture_many(b)))
                 for stages, pipeline in pipelines.items()
             }
-            whole_threads = args.single_threads
-            modes[f"single process ({whole_threads} threads)"] = lambda b: [
-                capture_aux_hidden(model, ids, mask, AUX_LAYER_IDS) for ids, mask in b
-            ]
-            torch.set_num_threads(whole_threads)
+            for threads in args.single_threads:
+                modes[f"single process, {threads} thread(s)"] = lambda b, t=threads: single_process(model, b, t)
             for run in modes.values():  # warm-up: first calls pay allocation and lazy initialisation
                 run(batches[:2])
             samples: dict[str, list[float]] = {name: [] for name in modes}
@@ -106,11 +110,11 @@ def main() -> None:
             for round_index in range(args.rounds):
                 for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
                     samples[name].append(timed_tokens_per_s(modes[name], batches))
-            single = next(name for name in names if name.startswith("single"))
             best = {name: max(values) for name, values in samples.items()}
+            single = max((name for name in names if name.startswith("single")), key=best.get)
             report["widths"][hidden_size] = {
                 "tokens_per_s": {name: [round(v, 1) for v in values] for name, values in samples.items()},
-                "best_vs_single_process": {name: round(best[name] / best[single], 3) for name in names},
+                f"best_vs_best_single_process ({single})": {name: round(best[name] / best[single], 3) for name in names},
             }
             for pipeline in pipelines.values():
                 pipeline.shutdown()

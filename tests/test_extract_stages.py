@@ -1,11 +1,11 @@
 """A target split into pipeline stages (draftline.target.stages) captures exactly what the whole target captures.
 
 Stage actors run on the real local Ray cluster (the `ray_cluster` fixture), each loading only its layers with the
-model's own transformers class. Compared in fp32 with atol 0: the test-size Llama target (3 stages, uneven split)
-and a random-weight test-size DeepSeek-V3 target (MLA, dense first layer then MoE with a shared expert, YaRN; 2
-stages). Every stage actor starts a Python process that imports torch and transformers, so the other families run
-their stages in this process instead (`StageActor` unwrapped): Qwen3 and Qwen3-MoE (fused expert weights loaded from
-per-expert checkpoint tensors), 4 stages of 2 layers each.
+model's own transformers class. Compared in fp32 with atol 0: the test-size Llama target through `draftline extract`
+(2 stages), and a random-weight test-size DeepSeek-V3 target (MLA, dense first layer then MoE with a shared expert,
+YaRN; 3 stages, uneven split). Every stage actor starts a Python process that imports torch and transformers, so
+the other families run their stages in this process instead (`StageActor` unwrapped): Qwen3 and Qwen3-MoE (fused
+expert weights loaded from per-expert checkpoint tensors), 4 stages of 2 layers each.
 """
 
 from __future__ import annotations
@@ -51,21 +51,14 @@ def _random_target(tmp_path_factory, tiny_cfg, family: str):
     return target_dir
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param(("llama", 3), marks=pytest.mark.slow, id="llama-3-stages"),
-        pytest.param(("deepseek-v3", 2), marks=pytest.mark.slow, id="deepseek-v3-2-stages"),
-    ],
-)
-def pipeline(request, ray_cluster, tiny_cfg, tiny_target_dir, tmp_path_factory, one_torch_thread):
-    """(whole model in this process, the same target as stage actors); one pipeline alive at a time."""
+@pytest.fixture(scope="module")
+def pipeline(ray_cluster, tiny_cfg, tmp_path_factory, one_torch_thread):
+    """(whole model in this process, the same target as 3 stage actors: layers 0-2, 3-5, 6-7)."""
     from transformers import AutoModelForCausalLM
 
-    family, stages = request.param
-    target_dir = tiny_target_dir if family == "llama" else _random_target(tmp_path_factory, tiny_cfg, family)
+    target_dir = _random_target(tmp_path_factory, tiny_cfg, "deepseek-v3")
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    pipelined = PipelinedTarget(target_dir, AUX_LAYER_IDS, PipelineConfig(stages=stages, cpus_per_stage=0.5), "float32")
+    pipelined = PipelinedTarget(target_dir, AUX_LAYER_IDS, PipelineConfig(stages=3, cpus_per_stage=0.5), "float32")
     yield model, pipelined
     pipelined.shutdown()
 
@@ -105,6 +98,44 @@ def test_extraction_shards_through_the_pipeline_are_byte_identical(pipeline, tmp
     for shard_index in range(num_shards(len(split_tokens), plan["samples_per_shard"])):
         name = f"shard-{shard_index:05d}.safetensors"
         assert stores["stages"].read_bytes(name) == stores["whole"].read_bytes(name)
+
+
+@pytest.mark.slow
+def test_extract_with_extract_pipeline_stores_what_the_whole_model_captures(
+    ray_cluster, tiny_dataset_dir, tmp_path, one_torch_thread
+):
+    """`draftline extract` with the config switch: the Ray Train worker drives 2 stage actors instead of loading
+    the target; every stored sample equals the whole model's capture over the same batches, bit for bit."""
+    from conftest import make_test_config
+    from draftline.data.prepare import load_split
+    from draftline.extract.run import extract_with_stats
+    from draftline.extract.shards import HiddenStateShards
+    from draftline.extract.worker import hidden_states_for_samples
+    from draftline.target.load import load_target
+
+    cfg = make_test_config(extra=[
+        f"extract.storage_uri={tmp_path / 'hidden'}", "extract.samples_per_shard=8", "extract.batch_size=3",
+        "extract.cpus_per_worker=0.5", "extract.pipeline.stages=2", "extract.pipeline.cpus_per_stage=0.5",
+    ])  # fmt: skip
+    result = extract_with_stats(cfg, tiny_dataset_dir, split="val")
+    shards = HiddenStateShards(result.splits["val"].location)
+    shards.verify()
+    target = load_target(cfg)
+    ids = shards.manifest["aux_layer_ids"]
+    sequences = [torch.tensor(sample["input_ids"]) for sample in load_split(tiny_dataset_dir, "val")]
+    assert len(shards) == len(sequences)
+    for start in range(0, len(sequences), 8):  # one shard: the worker batches within it
+        expected = hidden_states_for_samples(target.model, sequences[start : start + 8], ids, 3, 0, torch.float32)
+        for offset, (aux, final) in enumerate(expected):
+            stored = shards[start + offset]
+            assert torch.equal(stored["aux_hidden"], aux) and torch.equal(stored["final_hidden"], final)
+
+
+@pytest.mark.slow
+def test_stages_the_cluster_cannot_fit_fail_with_what_to_change(ray_cluster, tiny_target_dir):
+    too_big = PipelineConfig(stages=2, cpus_per_stage=1000, placement_timeout_s=2)
+    with pytest.raises(RuntimeError, match="could not fit 2 pipeline stages .* lower extract.pipeline.stages"):
+        PipelinedTarget(tiny_target_dir, AUX_LAYER_IDS, too_big, "float32")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])

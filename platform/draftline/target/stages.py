@@ -226,7 +226,7 @@ class PipelinedTarget:
         expected_fingerprint: str | None = None,
     ):
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from draftline.target.load import read_target_config
@@ -238,7 +238,15 @@ class PipelinedTarget:
         self.max_in_flight = pipeline.micro_batches_in_flight or 2 * len(self.plans)
         bundle = {"CPU": pipeline.cpus_per_stage, **({"GPU": pipeline.gpus_per_stage} if pipeline.gpus_per_stage else {})}
         self._placement_group = placement_group([dict(bundle) for _ in self.plans], strategy="PACK")
-        ray.get(self._placement_group.ready(), timeout=pipeline.placement_timeout_s)
+        try:
+            ray.get(self._placement_group.ready(), timeout=pipeline.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._placement_group)
+            raise RuntimeError(
+                f"the Ray cluster could not fit {len(self.plans)} pipeline stages of {bundle} each within "
+                f"{pipeline.placement_timeout_s} s (free: {ray.available_resources()}); lower extract.pipeline.stages "
+                "or its cpus_per_stage / gpus_per_stage, extract.num_workers, or add nodes"
+            ) from None
         actor_class = ray.remote(StageActor)
         self.actors = [
             actor_class.options(

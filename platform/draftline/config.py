@@ -152,6 +152,22 @@ class RegenerateConfig(Strict):
     request_timeout_s: float = Field(600, gt=0, description="one turn's HTTP request to an OpenAI-compatible server")
 
 
+class PipelineConfig(Strict):
+    """The target split into pipeline stages, one Ray actor each (draftline.target.stages): for targets larger
+    than one device."""
+
+    stages: int = Field(..., ge=2, description="stage actors, each holding a contiguous range of decoder layers")
+    gpus_per_stage: float = Field(0, ge=0, description="GPUs per stage actor (0: CPU)")
+    cpus_per_stage: float = Field(1, gt=0)
+    layers_per_stage: Optional[list[int]] = Field(
+        None, description="decoder layers per stage, in order (default: as even as the count allows)"
+    )
+    micro_batches_in_flight: Optional[int] = Field(
+        None, ge=1, description="batches inside the pipeline at once (default: 2 x stages)"
+    )
+    placement_timeout_s: float = Field(600, gt=0, description="how long to wait for the cluster to fit every stage")
+
+
 class ExtractConfig(Strict):
     aux_layer_ids: Optional[list[int]] = Field(
         None, description="layer-OUTPUT ids captured for EAGLE-3 (None = SGLang's default [1, n//2-1, n-4])"
@@ -164,6 +180,9 @@ class ExtractConfig(Strict):
     storage_uri: Optional[str] = Field(None, description="where hidden states go; default <data_dir>/hidden")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_failures: int = Field(3, ge=0)
+    pipeline: Optional[PipelineConfig] = Field(
+        None, description="split the target into pipeline stages (each worker drives one pipeline); None: one device"
+    )
 
 
 class TrainConfig(Strict):

@@ -250,8 +250,10 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    # With extract.pipeline a worker only drives its pipeline: the stage actors take the GPUs (target.stages).
+    worker_gpu = cfg.extract.use_gpu and cfg.extract.pipeline is None
     resources_per_worker = {"CPU": cfg.extract.cpus_per_worker}
-    if cfg.extract.use_gpu:
+    if worker_gpu:
         resources_per_worker["GPU"] = 1
     splits = [
         {"split": job.split, "location": job.storage.location, "split_tokens_ref": ray.put(job.split_tokens)}
@@ -266,7 +268,7 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
             "fault_injection": _fault_injection_from_env(),
         },
         scaling_config=ScalingConfig(
-            num_workers=cfg.extract.num_workers, use_gpu=cfg.extract.use_gpu, resources_per_worker=resources_per_worker
+            num_workers=cfg.extract.num_workers, use_gpu=worker_gpu, resources_per_worker=resources_per_worker
         ),
         run_config=RunConfig(
             name=run_name,

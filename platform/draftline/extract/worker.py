@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from draftline.extract.shards import (
 )
 from draftline.extract.storage import Storage
 from draftline.target.capture import capture_aux_hidden
+from draftline.target.stages import PipelinedTarget
 
 
 @dataclass
@@ -90,15 +91,27 @@ def hidden_states_for_samples(
     Right padding keeps every real token at the same positions (and the same causal context) as when it runs alone.
     """
     results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
-    for batch_indices in length_sorted_batches([len(s) for s in sequences], batch_size):
-        input_ids, attention_mask = right_padded_batch([sequences[i] for i in batch_indices], pad_id)
-        aux_hidden, final_hidden = capture_aux_hidden(model, input_ids.to(device), attention_mask.to(device), aux_layer_ids)
+    batches = length_sorted_batches([len(s) for s in sequences], batch_size)
+    padded = (right_padded_batch([sequences[i] for i in batch_indices], pad_id) for batch_indices in batches)
+    for batch_indices, (aux_hidden, final_hidden) in zip(batches, _captured(model, padded, aux_layer_ids, device)):
         aux_hidden = aux_hidden.to("cpu", out_dtype)
         final_hidden = final_hidden.to("cpu", out_dtype)
         for row, index in enumerate(batch_indices):
             length = len(sequences[index])
             results[index] = (aux_hidden[row, :length], final_hidden[row, :length])
     return results  # type: ignore[return-value]
+
+
+def _captured(model, padded_batches, aux_layer_ids: Sequence[int], device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(aux_hidden, final_hidden) per batch, in order. `model` is an HF causal LM in this process (batches run one
+    by one) or a `PipelinedTarget` (extract.pipeline: several batches in flight through its stage actors)."""
+    if isinstance(model, PipelinedTarget):
+        if model.aux_layer_ids != list(aux_layer_ids):
+            raise ValueError(f"the pipeline captures aux layers {model.aux_layer_ids}, the plan asks for {list(aux_layer_ids)}")
+        yield from model.capture_many(padded_batches)
+        return
+    for input_ids, attention_mask in padded_batches:
+        yield capture_aux_hidden(model, input_ids.to(device), attention_mask.to(device), aux_layer_ids)
 
 
 def extract_shard(
@@ -212,19 +225,29 @@ def extract_loop_per_worker(loop_config: dict) -> None:
     cfg = DraftlineConfig.model_validate(loop_config["config"])
     plan = loop_config["plan"]
     torch.set_num_threads(max(1, int(cfg.extract.cpus_per_worker)))
-    device = ray.train.torch.get_device() if cfg.extract.use_gpu else torch.device("cpu")
-    target = load_target(cfg, device=str(device), target_dir=plan["target_dir"])
-    if target.fingerprint != plan["target_fingerprint"]:
-        raise RuntimeError(
-            f"worker {rank}: target at {plan['target_dir']} has fingerprint {target.fingerprint}, the driver saw "
-            f"{plan['target_fingerprint']}; every node must have the same target files"
-        )
+    if cfg.extract.pipeline is not None:
+        # This worker drives one pipeline; its stage actors hold the target (and the GPUs), each checks the files.
+        device = torch.device("cpu")
+        model = PipelinedTarget(
+            plan["target_dir"], plan["aux_layer_ids"], cfg.extract.pipeline, cfg.target.dtype,
+            cfg.target.trust_remote_code, plan["target_fingerprint"],
+        )  # fmt: skip
+        print(f"[extract] worker {rank}: pipeline stages {model.layout}", flush=True)
+    else:
+        device = ray.train.torch.get_device() if cfg.extract.use_gpu else torch.device("cpu")
+        target = load_target(cfg, device=str(device), target_dir=plan["target_dir"])
+        if target.fingerprint != plan["target_fingerprint"]:
+            raise RuntimeError(
+                f"worker {rank}: target at {plan['target_dir']} has fingerprint {target.fingerprint}, the driver saw "
+                f"{plan['target_fingerprint']}; every node must have the same target files"
+            )
+        model = target.model
     for split in loop_config["splits"]:
         split_tokens: SplitTokens = ray.get(split["split_tokens_ref"])
         split_plan = {**plan, "shard_metadata": {**plan["shard_metadata"], "split": split["split"]}}
         started = time.perf_counter()
         counts = run_worker_shards(
-            target.model,
+            model,
             split_tokens,
             Storage(split["location"]),
             rank,

@@ -243,15 +243,26 @@ def test_continuous_batching_is_token_identical_for_every_request(
     every output equals the target alone's, and the steps really were batched."""
     engine = target_engine if spec is None else loaded_engine(tiny_target_dir, fitted_drafter_dir, spec)
     jobs = [(ids, SamplingParams(max_new_tokens=8 + 5 * (i % 4))) for i, ids in enumerate(prompts[:10])]
+    assert len({len(ids) for ids, _ in jobs}) > 1, "ragged prompts: the padded prefill and drafter rows are exercised"
     expected = [target_engine.generate_ids(ids, params)[0] for ids, params in jobs]
-    batch_sizes = []
-    step_batch = engine._step_batch
+    batch_sizes, prefill_sizes, drafter_rows = [], [], []
+    step_batch, prefill, draft_forward = engine._step_batch, engine._prefill, reference.DraftBatch.forward
 
-    def recording_step(sequences, batch):
+    def recording_step(sequences, caches):
         batch_sizes.append(len(sequences))
-        return step_batch(sequences, batch)
+        return step_batch(sequences, caches)
+
+    def recording_prefill(sequences):
+        prefill_sizes.append(len(sequences))
+        return prefill(sequences)
+
+    def recording_draft_forward(drafts, drafter, embeds, hidden, positions):
+        drafter_rows.append(embeds.shape[0])
+        return draft_forward(drafts, drafter, embeds, hidden, positions)
 
     monkeypatch.setattr(engine, "_step_batch", recording_step)
+    monkeypatch.setattr(engine, "_prefill", recording_prefill)
+    monkeypatch.setattr(reference.DraftBatch, "forward", recording_draft_forward)
 
     async def run_all():
         gate = asyncio.Semaphore(concurrency)
@@ -266,6 +277,59 @@ def test_continuous_batching_is_token_identical_for_every_request(
     for index, (ours, theirs) in enumerate(zip(got, expected)):
         assert ours == theirs, f"request {index} differs from the target alone at concurrency {concurrency}"
     assert max(batch_sizes) == concurrency
+    assert max(prefill_sizes) == concurrency  # the first requests join together
+    assert sum(prefill_sizes) == len(jobs)
+    if spec is not None:
+        assert max(drafter_rows) == concurrency  # drafter steps (chain) and extends (both) run every row at once
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(tiny_target_dir, random_drafter_dir, prompts):
+    """Each request keeps its own generator, so a seeded request draws the same tokens alone and in a batch
+    whose drafter and verify forwards it shares with greedy and other sampled requests of other lengths."""
+    for spec in [(3, 1, 4), (3, 2, 6)]:
+        engine = loaded_engine(tiny_target_dir, random_drafter_dir, spec)
+        jobs = [
+            (ids, SamplingParams(max_new_tokens=6 + 3 * i, temperature=0.0 if i == 1 else 0.9, top_p=0.95, seed=i))
+            for i, ids in enumerate(prompts[2:6])
+        ]
+        alone = [engine.generate_ids(ids, params)[0] for ids, params in jobs]
+
+        async def run_all():
+            async def one(ids, params):
+                return [t async for chunk in engine.generate(ids, params) for t in chunk.token_ids]
+
+            return await asyncio.gather(*(one(ids, params) for ids, params in jobs))
+
+        assert asyncio.run(run_all()) == alone, f"spec {spec}"
+
+
+def test_draft_batch_equals_one_drafter_cache_per_sequence():
+    """DraftBatch (slot = position, ragged rows, a shorter length instead of a crop) computes what the drafter's
+    own forward computes with one DrafterKVCache per sequence."""
+    from draftline.drafter.model import DrafterConfig, DrafterKVCache, Eagle3Drafter
+
+    torch.manual_seed(0)
+    config = DrafterConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        draft_vocab_size=16, target_vocab_size=16, target_hidden_size=32, aux_layer_ids=(0, 1, 2),
+    )  # fmt: skip
+    drafter = Eagle3Drafter(config).eval()
+    lengths, width = [5, 9], 9
+    embeds, hidden = torch.randn(2, width, 32), torch.randn(2, width, 32)
+    batch = reference.DraftBatch()
+    with torch.no_grad():
+        logits, _ = batch.forward(drafter, embeds, hidden, torch.arange(width)[None].expand(2, -1))
+        # row 0 keeps 3 entries (2 rejected), row 1 all 9; then two more tokens each, at their own positions
+        more_embeds, more_hidden = torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+        kept = [3, 9]
+        more_logits, _ = batch.forward(drafter, more_embeds, more_hidden, torch.tensor(kept)[:, None] + torch.arange(2))
+        for row, (length, keep) in enumerate(zip(lengths, kept)):
+            cache = DrafterKVCache()
+            alone, _ = drafter(embeds[row : row + 1, :length], hidden[row : row + 1, :length], torch.arange(length), cache)
+            torch.testing.assert_close(logits[row, :length], alone[0], atol=1e-5, rtol=1e-5)
+            cache.crop(keep)
+            alone, _ = drafter(more_embeds[row : row + 1], more_hidden[row : row + 1], torch.arange(keep, keep + 2), cache)
+            torch.testing.assert_close(more_logits[row], alone[0], atol=1e-5, rtol=1e-5)
 
 
 def test_target_probs_top_p_keeps_the_nucleus():

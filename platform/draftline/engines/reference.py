@@ -26,13 +26,18 @@ from q. Chains sample their drafts from the drafter (p = draft probabilities); t
 deterministically, so p is one-hot at the draft (accept with q(x), remove x from q on rejection). Either way each
 emitted token is distributed exactly as the target's q.
 
-Continuous batching: one scheduler loop (`_schedule`) owns the model. Between steps, new requests join
-(prefill alone, then their KV cache becomes a row of the running `TargetBatch`) and finished or cancelled ones
-leave. A step drafts for each running request, then verifies all of them in one target forward: each row holds
-its tree (root first) padded to the widest, with its own positions and a mask that lets it see only its valid
-cache slots plus its ancestors. Rejected drafts' slots stay masked instead of being cropped; the batch compacts
-when a column is unused by every row. Each request keeps its own sampling generator, so a seeded request draws
-the same tokens at any concurrency. Targets whose HF cache is not plain full attention step one request at a time.
+Continuous batching: one scheduler loop (`_schedule`) owns the model. Between steps, new requests join and
+finished or cancelled ones leave. Joining requests are prefilled together (one target forward over their prompts,
+right-padded, each row causal over its own tokens, then one drafter extend) and become rows of the running
+`Caches`: the target's `TargetBatch` and the drafter's `DraftBatch`, row b of each the same request. A step
+drafts for every row at once (a chain: one drafter forward per depth over all rows; a tree: one per step over
+the [rows, topk] frontier), then verifies all rows in one target forward: each row holds its tree (root first)
+padded to the widest, with its own positions and a mask that lets it see only its valid cache slots plus its
+ancestors. Rejected drafts' target slots stay masked instead of being cropped; the batch compacts when a column
+is unused by every row. The drafter's cache is preallocated with slot = position, so a rejected draft costs
+nothing: the row's length simply stops before it. Each request keeps its own sampling generator, so a seeded
+request draws the same tokens at any concurrency. Targets whose HF cache is not plain full attention step one
+request at a time.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import AsyncIterator, Optional
 import torch
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.drafter.model import attend
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
 from draftline.target.aux_layers import capture_id_problems
 
@@ -146,14 +152,12 @@ class TargetBatch:
     def rows(self) -> int:
         return 0 if self.valid is None else self.valid.shape[0]
 
-    def add(self, cache) -> None:
-        """Append a prefilled single-sequence cache (every slot valid) as the last row."""
-        length = cache.layers[0].keys.shape[2]
-        valid = torch.ones(1, length, dtype=torch.bool, device=cache.layers[0].keys.device)
+    def add(self, cache, valid: torch.Tensor) -> None:
+        """Append the rows of a prefilled cache (its slot validity `valid` [n, S]) after the existing rows."""
         if self.cache is None:
             self.cache, self.valid = cache, valid
             return
-        width = max(self.valid.shape[1], length)
+        width = max(self.valid.shape[1], valid.shape[1])
         for mine, theirs in zip(self.cache.layers, cache.layers):
             mine.keys = torch.cat([_pad_slots(mine.keys, width), _pad_slots(theirs.keys, width)])
             mine.values = torch.cat([_pad_slots(mine.values, width), _pad_slots(theirs.values, width)])
@@ -212,6 +216,92 @@ def _pad_slots(x: torch.Tensor, width: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- draft side
 
 
+class DraftBatch:
+    """The drafter's KV cache of running sequences, preallocated: keys/values [B, kv_heads, capacity, D].
+
+    Slot s of a row holds the drafter's entry at position s, so a row's committed entries are its slots
+    0..lengths[b]-1 and dropping rejected drafts is just a shorter length (no cropping, no copy). A forward writes
+    its tokens' keys at their positions and a query at position p reads slots 0..p: committed entries, and the
+    entries this round wrote before it (chain drafts, or the earlier tokens of an extend). Slots past a row's
+    length are stale until the next forward overwrites them before anything reads them. `logits`/`hidden` [B, ...]
+    are each row's drafter output at its last committed position, which drafts the next round's first token.
+    Capacity doubles when a forward would run past it."""
+
+    def __init__(self) -> None:
+        self.keys: Optional[torch.Tensor] = None  # [B, kv_heads, capacity, D]
+        self.values: Optional[torch.Tensor] = None
+        self.lengths: list[int] = []
+        self.logits: Optional[torch.Tensor] = None  # [B, Vd]
+        self.hidden: Optional[torch.Tensor] = None  # [B, H]
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def add(self, other: "DraftBatch") -> None:
+        """Append other's rows after the existing ones."""
+        if self.keys is None:
+            vars(self).update(vars(other))
+            return
+        width = max(self.keys.shape[2], other.keys.shape[2])
+        self.keys = torch.cat([_pad_slots(self.keys, width), _pad_slots(other.keys, width)])
+        self.values = torch.cat([_pad_slots(self.values, width), _pad_slots(other.values, width)])
+        self.lengths = self.lengths + other.lengths
+        self.logits, self.hidden = torch.cat([self.logits, other.logits]), torch.cat([self.hidden, other.hidden])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if self.keys is None:
+            return
+        if not rows:
+            vars(self).update(vars(DraftBatch()))
+            return
+        index = torch.tensor(rows, device=self.keys.device)
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        self.logits, self.hidden = self.logits.index_select(0, index), self.hidden.index_select(0, index)
+        self.lengths = [self.lengths[row] for row in rows]
+
+    def forward(self, drafter, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """Drafter over new tokens of every row: embeds, hidden [B, T, H], positions [B, T] ->
+        (logits [B, T, Vd], hidden_out [B, T, H]). Keys land in slot = position; query at p sees slots <= p."""
+        layer = drafter.midlayer
+        q, k, v = layer.project_qkv(embeds, hidden, positions)
+        end = int(positions.max()) + 1
+        self._reserve(end, like=k)
+        index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.keys.scatter_(2, index, k)
+        self.values.scatter_(2, index, v)
+        allowed = torch.arange(end, device=positions.device)[None, None] <= positions[:, :, None]  # [B, T, end]
+        attn = attend(q, self.keys[:, :, :end], self.values[:, :, :end], allowed[:, None])
+        hidden_out = layer.finish(attn, residual=hidden)
+        return drafter.logits(hidden_out), hidden_out
+
+    def _reserve(self, slots: int, like: torch.Tensor) -> None:
+        if self.keys is None:
+            shape = (like.shape[0], like.shape[1], max(slots, 64), like.shape[3])
+            self.keys, self.values = like.new_zeros(shape), like.new_zeros(shape)
+        elif slots > self.keys.shape[2]:
+            self.keys = _pad_slots(self.keys, max(slots, 2 * self.keys.shape[2]))
+            self.values = _pad_slots(self.values, self.keys.shape[2])
+
+
+@dataclass
+class Caches:
+    """Both KV caches of a set of sequences; row b of each is the same sequence."""
+
+    target: TargetBatch = field(default_factory=TargetBatch)
+    draft: DraftBatch = field(default_factory=DraftBatch)
+
+    def add(self, other: "Caches") -> None:
+        if other.target.rows == 0:
+            return
+        self.target.add(other.target.cache, other.target.valid)
+        self.draft.add(other.draft)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.target.keep_rows(rows)
+        self.draft.keep_rows(rows)
+
+
 @dataclass
 class DraftTree:
     """Draft tokens in verify order; node 0 is the root (the last committed token), parents[0] == -1.
@@ -246,16 +336,13 @@ def draft_probs_in_target_vocab(drafter, draft_logits: torch.Tensor, temperature
 
 @dataclass
 class Sequence:
-    """One request's decoding state; its target KV lives in a row of the running TargetBatch."""
+    """One request's decoding state; its target and drafter KV live in a row of the running `Caches`."""
 
     tokens: list[int]  # prompt + emitted
     prompt_length: int
     params: SamplingParams
     stop_ids: set[int]
     generator: torch.Generator
-    draft_cache: object = None  # DrafterKVCache
-    draft_logits: Optional[torch.Tensor] = None  # [Vd] drafter logits at position L-2 (predicts x_L)
-    draft_hidden: Optional[torch.Tensor] = None  # [H] drafter hidden_out at position L-2
     pending_drafts: int = 0  # how many of the newest committed tokens are accepted drafts (the rest: bonus/prefill)
     stats: SpecStats = field(default_factory=SpecStats)
 
@@ -268,7 +355,7 @@ class _Request:
     chunks: asyncio.Queue
     text: "_IncrementalText"
     cancelled: bool = False
-    batch: "TargetBatch" = field(default_factory=lambda: TargetBatch())  # own row, only for an unbatchable target
+    caches: Caches = field(default_factory=Caches)  # own row, only for an unbatchable target
 
 
 class ReferenceEngine:
@@ -294,7 +381,7 @@ class ReferenceEngine:
         self.stop_token_ids: set[int] = set()
         self.max_positions = 0
         self.batchable: Optional[bool] = None  # whether the target's cache can hold many sequences (first prefill)
-        self._batch = TargetBatch()  # the running requests' target KV, one row each
+        self._caches = Caches()  # the running requests' target and drafter KV, one row each
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []  # in TargetBatch row order
         self._wake = asyncio.Event()
@@ -352,7 +439,7 @@ class ReferenceEngine:
         if self._scheduler is not None:
             self._scheduler.cancel()
             self._scheduler = None
-        self._batch = TargetBatch()
+        self._caches = Caches()
 
     # ------------------------------------------------------------------------------------------ generation
 
@@ -366,7 +453,7 @@ class ReferenceEngine:
             # one scheduler per event loop (asyncio.run in tests and benchmarks makes a new loop each time); rows
             # of requests left behind by an earlier loop are dropped with it
             self._wake = asyncio.Event()
-            self._running, self._batch = [], TargetBatch()
+            self._running, self._caches = [], Caches()
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
         self._wake.set()
         try:
@@ -388,7 +475,7 @@ class ReferenceEngine:
             live = [row for row, request in enumerate(self._running) if not request.cancelled]
             if len(live) < len(self._running):
                 if self.batchable:
-                    self._batch.keep_rows(live)
+                    self._caches.keep_rows(live)
                 self._running = [self._running[row] for row in live]
             joining, self._waiting = [r for r in self._waiting if not r.cancelled], []
             if not self._running and not joining:
@@ -400,7 +487,7 @@ class ReferenceEngine:
             except Exception as err:  # noqa: BLE001 - every waiting client gets the error, the loop keeps serving
                 for request in self._running + joining:
                     request.chunks.put_nowait(err)
-                self._running, self._batch = [], TargetBatch()
+                self._running, self._caches = [], Caches()
                 continue
             for request, chunk in events:
                 request.chunks.put_nowait(chunk)
@@ -408,24 +495,29 @@ class ReferenceEngine:
             self._running = [r for r in self._running + joining if id(r) not in finished]
 
     def _advance(self, running: list["_Request"], joining: list["_Request"]) -> list[tuple["_Request", GenerationChunk]]:
-        """One scheduler step: a decode step for `running` (rows 0.. of the batch), then prefill for `joining`
-        (their first token streams now; they decode from the next step). Finished rows leave the batch.
-        A target whose cache cannot be batched steps each request alone, in its own one-row batch."""
+        """One scheduler step: a decode step for `running` (rows 0.. of the caches), then one batched prefill for
+        `joining` (their first token streams now; their rows join after the running ones and decode from the next
+        step). Finished rows leave. A target whose cache cannot be batched steps each request alone, in its own
+        one-row caches."""
         events = []
+        if self.batchable:
+            decoding = [(running, self._caches)] if running else []
+            prefilling = [(joining, self._caches)] if joining else []
+        else:
+            decoding = [([request], request.caches) for request in running]
+            prefilling = [([request], request.caches) for request in joining]
         with torch.no_grad():
-            if running and self.batchable:
-                committed = self._step_batch([r.sequence for r in running], self._batch)
-                events += [(r, self._chunk(r, pending)) for r, pending in zip(running, committed)]
-                self._batch.keep_rows([row for row, (_, chunk) in enumerate(events) if not chunk.finished])
-            for request in running if not self.batchable else []:
-                events.append((request, self._chunk(request, self._step_batch([request.sequence], request.batch)[0])))
-            for request in joining:
-                batch = self._batch if self.batchable else request.batch
-                self._prefill(request.sequence, batch)
-                chunk = self._chunk(request, request.sequence.tokens[request.sequence.prompt_length :])
-                if chunk.finished:
-                    batch.keep_rows(list(range(batch.rows - 1)))
-                events.append((request, chunk))
+            for requests, caches in decoding:
+                committed = self._step_batch([r.sequence for r in requests], caches)
+                chunks = [self._chunk(r, pending) for r, pending in zip(requests, committed)]
+                caches.keep_rows([row for row, chunk in enumerate(chunks) if not chunk.finished])
+                events += zip(requests, chunks)
+            for requests, caches in prefilling:
+                joined = self._prefill([r.sequence for r in requests])
+                chunks = [self._chunk(r, r.sequence.tokens[r.sequence.prompt_length :]) for r in requests]
+                joined.keep_rows([row for row, chunk in enumerate(chunks) if not chunk.finished])
+                caches.add(joined)
+                events += zip(requests, chunks)
         return events
 
     def _chunk(self, request: "_Request", pending: list[int]) -> GenerationChunk:
@@ -445,12 +537,11 @@ class ReferenceEngine:
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], SpecStats]:
         """Synchronous whole-request generation, one sequence alone (tests, benchmarks): -> (output ids, stats)."""
         sequence = self._new_sequence(prompt_ids, params)
-        batch = TargetBatch()
         with torch.no_grad():
-            self._prefill(sequence, batch)
+            caches = self._prefill([sequence])
             pending = sequence.tokens[sequence.prompt_length :]
             while self._cut(pending, sequence)[1] is None:
-                pending = self._step_batch([sequence], batch)[0]
+                pending = self._step_batch([sequence], caches)[0]
         sequence.stats.output_tokens = len(sequence.tokens) - sequence.prompt_length
         return sequence.tokens[sequence.prompt_length :], sequence.stats
 
@@ -460,35 +551,44 @@ class ReferenceEngine:
         stop_ids = self.stop_token_ids | set(params.stop_token_ids)
         return Sequence(list(prompt_ids), len(prompt_ids), params, stop_ids, generator)
 
-    def _prefill(self, sequence: Sequence, batch: TargetBatch) -> None:
-        """Target forward over the prompt (its own cache, then a new row of `batch`); emits the first token;
-        primes the drafter on the prompt."""
+    def _prefill(self, sequences: list[Sequence]) -> Caches:
+        """One target forward over every prompt, right-padded to the longest (row b: causal over its own tokens);
+        picks each first token; primes the drafter on each prompt. -> the new rows' caches."""
         from transformers import DynamicCache
 
         started = time.perf_counter()
-        prompt = sequence.tokens
-        cache = DynamicCache(config=self.model.config)
-        ids = torch.tensor([prompt], device=self.device)
-        positions = torch.arange(len(prompt), device=self.device)[None]
-        logits, aux = target_forward(self.model, ids, positions, cache, self._aux_layer_ids())
-        sequence.tokens.append(self._pick(logits[0, -1], sequence.params, sequence.generator))
-        batch.add(cache)
+        lengths = [len(sequence.tokens) for sequence in sequences]
+        width = max(lengths)
+        ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, : lengths[row]] = torch.tensor(sequence.tokens)
+        in_prompt = torch.arange(width)[None] < torch.tensor(lengths)[:, None]  # [n, width]
+        allowed = torch.ones(width, width, dtype=torch.bool).tril()[None] & in_prompt[:, None, :]  # key <= query, real
+        positions = torch.arange(width)[None].expand(len(sequences), -1)
+        caches = Caches()
+        caches.target.add(DynamicCache(config=self.model.config), torch.zeros(len(sequences), 0, dtype=torch.bool))
+        logits, aux = caches.target.forward(
+            self.model, ids.to(self.device), positions.to(self.device), allowed.to(self.device), self._aux_layer_ids()
+        )
+        for row, sequence in enumerate(sequences):
+            caches.target.commit(row, list(range(lengths[row])), width)
+            sequence.tokens.append(self._pick(logits[row, lengths[row] - 1], sequence.params, sequence.generator))
         if self.drafter is not None:
-            from draftline.drafter.model import DrafterKVCache
-
-            sequence.draft_cache = DrafterKVCache()
-            self._draft_extend(sequence, aux[0], start_position=0)
+            self._draft_extend(sequences, caches.draft, aux, starts=[0] * len(sequences), counts=lengths)
         self.phase_seconds["prefill"] += time.perf_counter() - started
+        return caches
 
-    def _step_batch(self, sequences: list[Sequence], batch: TargetBatch) -> list[list[int]]:
-        """One decode step for every sequence (row i of `batch`) -> the tokens each
-        committed (1 for target-only; accepted drafts + bonus otherwise). Drafting is per sequence; the verify
-        of all rows is one target forward: row b holds its tree (root first), padded to the widest tree."""
+    def _step_batch(self, sequences: list[Sequence], caches: Caches) -> list[list[int]]:
+        """One decode step for every sequence (row i of `caches`) -> the tokens each committed (1 for target-only;
+        accepted drafts + bonus otherwise). Drafting runs every row in each drafter forward; the verify of all rows
+        is one target forward: row b holds its tree (root first), padded to the widest tree."""
         started = time.perf_counter()
         if self.drafter is None:
             trees = [DraftTree([s.tokens[-1]], [-1], [None]) for s in sequences]
+        elif self.spec.eagle_topk == 1:
+            trees = self._draft_chains(sequences, caches.draft)
         else:
-            trees = [self._draft(s, s.params) for s in sequences]
+            trees = self._draft_trees(sequences, caches.draft)
         drafted = time.perf_counter()
         width = max(len(tree.tokens) for tree in trees)
         ids = torch.zeros(len(trees), width, dtype=torch.long)
@@ -501,33 +601,36 @@ class ReferenceEngine:
             positions[row] = root_position
             positions[row, :size] = root_position + torch.tensor(tree.depths())
             allowed[row] = tree_allowed(tree.parents, width, "cpu")
-        logits, aux = batch.forward(
+        logits, aux = caches.target.forward(
             self.model, ids.to(self.device), positions.to(self.device), allowed.to(self.device), self._aux_layer_ids()
         )
         verified = time.perf_counter()
-        extend_s = 0.0
-        committed = []
+        committed, kept_nodes, starts = [], [], []
         for row, (sequence, tree) in enumerate(zip(sequences, trees)):
             path, bonus = _accept(tree, logits[row, : len(tree.tokens)], sequence.params, sequence.generator)
             kept = [0] + path  # the root and the accepted nodes become committed slots
-            batch.commit(row, kept, width)
+            caches.target.commit(row, kept, width)
             accepted = [tree.tokens[node] for node in path]
-            past_length = len(sequence.tokens) - 1
+            kept_nodes.append(kept)
+            starts.append(len(sequence.tokens) - 1)  # the root's position
             sequence.tokens.extend(accepted + [bonus])
             if self.drafter is not None:
                 sequence.stats.verify_steps += 1
                 sequence.stats.accepted_draft_tokens += len(accepted)
                 sequence.pending_drafts = len(accepted)
-                sequence.draft_cache.crop(past_length)
-                extend_started = time.perf_counter()
-                self._draft_extend(sequence, aux[row, kept], start_position=past_length)
-                extend_s += time.perf_counter() - extend_started
             committed.append(accepted + [bonus])
-        batch.compact()
+        caches.target.compact()
+        accepted_at = time.perf_counter()
+        if self.drafter is not None:
+            # the drafter reads the target's aux states at the root and the accepted nodes (padded with the root)
+            longest = max(len(kept) for kept in kept_nodes)
+            nodes = torch.tensor([kept + [0] * (longest - len(kept)) for kept in kept_nodes], device=self.device)
+            kept_aux = aux[torch.arange(len(sequences), device=self.device)[:, None], nodes]
+            self._draft_extend(sequences, caches.draft, kept_aux, starts, counts=[len(kept) for kept in kept_nodes])
         phases = self.phase_seconds
-        phases["draft"] += drafted - started + extend_s
+        phases["draft"] += drafted - started + time.perf_counter() - accepted_at
         phases["verify"] += verified - drafted
-        phases["accept"] += time.perf_counter() - verified - extend_s
+        phases["accept"] += accepted_at - verified
         phases["steps"] += 1
         return committed
 
@@ -546,98 +649,107 @@ class ReferenceEngine:
             return int(logits.argmax())
         return sample(target_probs(logits, params.temperature, params.top_p), generator)
 
-    def _embed(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor([token_ids], device=self.device)
-        return self.model.get_input_embeddings()(ids).to(self.drafter.fc.weight.dtype)
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target embeddings of token ids [B, T] -> [B, T, H] in the drafter's dtype."""
+        return self.model.get_input_embeddings()(token_ids.to(self.device)).to(self.drafter.fc.weight.dtype)
 
-    def _draft_extend(self, sequence: Sequence, aux: torch.Tensor, start_position: int) -> None:
-        """Drafter over newly verified positions start..start+m-1 (aux states there, embeddings of the tokens
-        after them); appends them to the drafter cache and keeps the last position's output for drafting."""
+    def _draft_extend(
+        self, sequences: list[Sequence], drafts: DraftBatch, aux: torch.Tensor, starts: list[int], counts: list[int]
+    ) -> None:
+        """Drafter over newly verified positions start..start+count-1 of every row, one forward: the target's aux
+        states there (aux [B, T, n_aux*H], padded past count) and the embeddings of the tokens after them. They
+        become the rows' committed drafter entries; each row's output at its last one drafts its next round."""
         drafter = self.drafter
-        length = aux.shape[0]
-        next_tokens = sequence.tokens[start_position + 1 : start_position + 1 + length]
-        hidden = drafter.fuse_aux(aux[None].to(drafter.fc.weight.dtype))
-        positions = torch.arange(start_position, start_position + length, device=self.device)
-        logits, hidden_out = drafter(self._embed(next_tokens), hidden, positions, cache=sequence.draft_cache)
-        sequence.draft_logits, sequence.draft_hidden = logits[0, -1], hidden_out[0, -1]
+        width = aux.shape[1]
+        next_tokens = torch.zeros(len(sequences), width, dtype=torch.long)
+        for row, (sequence, start, count) in enumerate(zip(sequences, starts, counts)):
+            next_tokens[row, :count] = torch.tensor(sequence.tokens[start + 1 : start + 1 + count])
+        # padded entries take the positions after a row's count: their slots are rewritten before anything reads them
+        positions = (torch.tensor(starts)[:, None] + torch.arange(width)[None]).to(self.device)
+        hidden = drafter.fuse_aux(aux.to(drafter.fc.weight.dtype))
+        logits, hidden_out = drafts.forward(drafter, self._embed(next_tokens), hidden, positions)
+        rows, last = torch.arange(len(sequences), device=self.device), torch.tensor(counts, device=self.device) - 1
+        drafts.logits, drafts.hidden = logits[rows, last], hidden_out[rows, last]
+        drafts.lengths = [start + count for start, count in zip(starts, counts)]
 
-    def _draft(self, sequence: Sequence, params: SamplingParams) -> DraftTree:
-        if self.spec.eagle_topk == 1:
-            return self._draft_chain(sequence, params)
-        return self._draft_tree(sequence)
-
-    def _draft_chain(self, sequence: Sequence, params: SamplingParams) -> DraftTree:
-        """num_steps tokens, each fed back into the drafter (its cache grows by num_steps-1 chain entries)."""
-        drafter, greedy = self.drafter, params.temperature == 0
-        tree = DraftTree([sequence.tokens[-1]], [-1], [None])
-        logits, hidden = sequence.draft_logits, sequence.draft_hidden
-        position = len(sequence.tokens) - 1  # RoPE position of the first chain entry (depth 1)
+    def _draft_chains(self, sequences: list[Sequence], drafts: DraftBatch) -> list[DraftTree]:
+        """num_steps tokens per row, each fed back into the drafter: one drafter forward over every row per step.
+        Depth d's entry lands at position (= slot) L-2+d, after the row's committed entries 0..L-2."""
+        drafter = self.drafter
+        trees = [DraftTree([sequence.tokens[-1]], [-1], [None]) for sequence in sequences]
+        logits, hidden = drafts.logits, drafts.hidden  # [B, Vd], [B, H]: the drafter at position L-2 predicts x_L
+        first_position = torch.tensor([len(sequence.tokens) - 1 for sequence in sequences], device=self.device)
         for depth in range(1, self.spec.num_steps + 1):
-            if greedy:
-                token, probs = int(drafter.draft_to_target(logits.argmax())), None
-            else:
-                probs = draft_probs_in_target_vocab(drafter, logits, params.temperature, self.model.config.vocab_size)
-                token = sample(probs, sequence.generator)
-            tree.tokens.append(token)
-            tree.parents.append(depth - 1)
-            tree.draft_probs.append(probs)
+            greedy_tokens = drafter.draft_to_target(logits.argmax(dim=-1)).tolist()
+            for row, (sequence, tree) in enumerate(zip(sequences, trees)):
+                if sequence.params.temperature == 0:
+                    token, probs = greedy_tokens[row], None
+                else:
+                    probs = draft_probs_in_target_vocab(
+                        drafter, logits[row], sequence.params.temperature, self.model.config.vocab_size
+                    )
+                    token = sample(probs, sequence.generator)
+                tree.tokens.append(token)
+                tree.parents.append(depth - 1)
+                tree.draft_probs.append(probs)
             if depth == self.spec.num_steps:
                 break
-            step_position = torch.tensor([position + depth - 1], device=self.device)
-            step_logits, step_hidden = drafter(
-                self._embed([token]), hidden[None, None], step_position, cache=sequence.draft_cache
-            )
-            logits, hidden = step_logits[0, -1], step_hidden[0, -1]
-        return tree
+            step_ids = torch.tensor([[tree.tokens[-1]] for tree in trees])
+            positions = (first_position + depth - 1)[:, None]
+            step_logits, step_hidden = drafts.forward(drafter, self._embed(step_ids), hidden[:, None], positions)
+            logits, hidden = step_logits[:, 0], step_hidden[:, 0]
+        return trees
 
-    def _draft_tree(self, sequence: Sequence) -> DraftTree:
-        """SGLang's EAGLE tree: each step expands the topk best paths (by summed draft log-prob) by their topk
-        next tokens; the num_draft_tokens-1 best nodes over all steps form the tree the target verifies."""
-        from draftline.drafter.model import attend
-
-        drafter, topk, layer = self.drafter, self.spec.eagle_topk, self.drafter.midlayer
-        root_position = len(sequence.tokens) - 2  # drafter position of the root's last extend entry
-        # candidate nodes: target token, parent candidate (-1 = root), cumulative log-prob
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        log_probs = torch.log_softmax(sequence.draft_logits.float(), dim=-1)
-        top_scores, top_ids = log_probs.topk(topk)
-        frontier = list(range(topk))
-        for score, draft_id in zip(top_scores.tolist(), top_ids.tolist()):
-            tokens.append(int(drafter.draft_to_target(torch.tensor(draft_id, device=self.device))))
-            parents.append(-1)
-            scores.append(score)
-        frontier_hidden = sequence.draft_hidden[None].expand(topk, -1)  # hidden each frontier node is fed
-        expanded: list[int] = []  # candidate ids whose keys are in tree_keys, in order
+    def _draft_trees(self, sequences: list[Sequence], drafts: DraftBatch) -> list[DraftTree]:
+        """SGLang's EAGLE tree for every row at once: each step expands the topk best paths (by summed draft
+        log-prob) by their topk next tokens, one drafter forward over the [B, topk] frontier; the
+        num_draft_tokens-1 best nodes over all steps form the tree the target verifies. Tree nodes' keys stay
+        out of the drafter cache: several nodes share a position."""
+        drafter, topk, layer, batch = self.drafter, self.spec.eagle_topk, self.drafter.midlayer, len(sequences)
+        lengths = torch.tensor(drafts.lengths, device=self.device)
+        cached = max(drafts.lengths)
+        sees_cache = (torch.arange(cached, device=self.device)[None] < lengths[:, None])[:, None].expand(-1, topk, -1)
+        root_positions = lengths - 1  # the drafter position of each root's last extend entry
+        # candidate nodes per row: target token, parent candidate (-1 = root), cumulative log-prob
+        top_scores, top_ids = torch.log_softmax(drafts.logits.float(), dim=-1).topk(topk, dim=-1)
+        tokens = drafter.draft_to_target(top_ids).tolist()
+        scores = top_scores.tolist()
+        parents = [[-1] * topk for _ in range(batch)]
+        frontier = [list(range(topk)) for _ in range(batch)]
+        frontier_hidden = drafts.hidden[:, None].expand(-1, topk, -1)  # [B, topk, H]: what each frontier node is fed
+        expanded: list[list[int]] = [[] for _ in range(batch)]  # candidates whose keys are in tree_keys, in order
         tree_keys = tree_values = None
-        cache = sequence.draft_cache
         for step in range(1, self.spec.num_steps):
-            embeds = self._embed([tokens[c] for c in frontier])
-            positions = torch.full((1, topk), root_position + step, device=self.device)
-            q, k, v = layer.project_qkv(embeds, frontier_hidden[None], positions)
-            expanded.extend(frontier)
+            embeds = self._embed(torch.tensor([[tokens[b][c] for c in frontier[b]] for b in range(batch)]))
+            positions = (root_positions + step)[:, None].expand(-1, topk)
+            q, k, v = layer.project_qkv(embeds, frontier_hidden, positions)
             tree_keys = k if tree_keys is None else torch.cat([tree_keys, k], dim=2)
             tree_values = v if tree_values is None else torch.cat([tree_values, v], dim=2)
-            allowed = torch.ones(topk, cache.length + len(expanded), dtype=torch.bool, device=self.device)
-            for row, node in enumerate(frontier):
-                path = _ancestors_and_self(node, parents)
-                allowed[row, cache.length :] = torch.tensor([c in path for c in expanded], device=self.device)
-            attn = attend(q, torch.cat([cache.keys, tree_keys], 2), torch.cat([cache.values, tree_values], 2), allowed)
-            hidden_out = layer.finish(attn, residual=frontier_hidden[None])[0]
-            step_log_probs = torch.log_softmax(drafter.logits(hidden_out).float(), dim=-1)  # [topk, Vd]
-            child_scores, child_ids = step_log_probs.topk(topk, dim=-1)
-            child_scores = child_scores + torch.tensor([scores[c] for c in frontier], device=child_scores.device)[:, None]
-            first_child = len(tokens)
-            for row, node in enumerate(frontier):
-                for col in range(topk):
-                    tokens.append(int(drafter.draft_to_target(child_ids[row, col])))
-                    parents.append(node)
-                    scores.append(float(child_scores[row, col]))
-            best = child_scores.flatten().topk(topk).indices.tolist()
-            frontier = [first_child + i for i in best]
-            frontier_hidden = hidden_out[[i // topk for i in best]]
-        return _select_tree(sequence.tokens[-1], tokens, parents, scores, self.spec.num_draft_tokens - 1)
+            for b in range(batch):
+                expanded[b].extend(frontier[b])
+            # frontier node i of row b sees its row's committed entries and its own ancestors among the expanded
+            paths = [[_ancestors_and_self(node, parents[b]) for node in frontier[b]] for b in range(batch)]
+            sees_tree = torch.tensor([[[c in path for c in expanded[b]] for path in paths[b]] for b in range(batch)])
+            allowed = torch.cat([sees_cache, sees_tree.to(self.device)], dim=-1)
+            keys = torch.cat([drafts.keys[:, :, :cached], tree_keys], dim=2)
+            values = torch.cat([drafts.values[:, :, :cached], tree_values], dim=2)
+            hidden_out = layer.finish(attend(q, keys, values, allowed[:, None]), residual=frontier_hidden)
+            step_log_probs = torch.log_softmax(drafter.logits(hidden_out).float(), dim=-1)  # [B, topk, Vd]
+            child_scores, child_ids = step_log_probs.topk(topk, dim=-1)  # [B, topk parents, topk children]
+            parent_scores = torch.tensor([[scores[b][c] for c in frontier[b]] for b in range(batch)])
+            child_scores = child_scores + parent_scores.to(child_scores.device)[..., None]  # path log-prob
+            best = child_scores.flatten(1).topk(topk, dim=-1).indices  # [B, topk] over parent*topk + child
+            child_tokens, child_score_list = drafter.draft_to_target(child_ids).tolist(), child_scores.tolist()
+            for b in range(batch):
+                first_child = len(tokens[b])
+                for row, node in enumerate(frontier[b]):
+                    tokens[b].extend(child_tokens[b][row])
+                    parents[b].extend([node] * topk)
+                    scores[b].extend(child_score_list[b][row])
+                frontier[b] = [first_child + i for i in best[b].tolist()]
+            frontier_hidden = hidden_out[torch.arange(batch, device=self.device)[:, None], best // topk]
+        budget = self.spec.num_draft_tokens - 1
+        return [_select_tree(s.tokens[-1], tokens[b], parents[b], scores[b], budget) for b, s in enumerate(sequences)]
 
 
 # --------------------------------------------------------------------------------------------- tree helpers

@@ -138,3 +138,68 @@ def test_deepseek_on_sglang_0_5_23_refuses_a_first_id_it_cannot_express():
     assert aux_layer_ids("deepseek_v3", "sglang", "0.5.12", 8, [0, 3, 4]).written == (0, 3, 4)
     assert aux_layer_ids("kimi_k2", "sglang", "0.5.23", 61, [1, 29, 57]).written == (1, 29, 57)
     assert aux_layer_ids("deepseek_v3", "sglang", "0.5.23", 8, [2, 3, 4]).written == (3, 4, 5)
+
+
+# Runs in .venv-vllm: vLLM 0.32's own decoder forward (the capture loop) on stand-in layers whose output is the
+# layer's number, and its own default-layer method; prints per family what it captures for given written ids.
+VLLM_CAPTURE_PROBE = """
+import importlib, json, sys
+from functools import partial
+from types import SimpleNamespace
+import torch
+from vllm.model_executor.models.interfaces import EagleModelMixin, supports_eagle3
+
+def captured(model_cls, module, num_layers, written):
+    module.get_pp_group = lambda: SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    def layer(k):  # the output of layer k is k + 1; the embedding is 0
+        return lambda positions, hidden, residual, **kw: (torch.full((1, 1), float(k + 1)), torch.zeros(1, 1))
+    fake = SimpleNamespace(start_layer=0, end_layer=num_layers, layers=[layer(k) for k in range(num_layers)],
+                           embed_input_ids=lambda ids: torch.zeros(1, 1), norm=lambda h, r: (h, None),
+                           aux_hidden_state_layers=tuple(written), collect_remote_aux_hidden_states=lambda t: [])
+    fake._maybe_add_hidden_state = partial(EagleModelMixin._maybe_add_hidden_state, fake)
+    ids = torch.zeros(1, dtype=torch.long)
+    _, aux = model_cls.forward(fake, ids, ids, None)
+    return [int(t.item()) - 1 for t in aux]
+
+report = []
+for family, module_name, model_name, lm_name, num_layers, written in json.loads(sys.argv[1]):
+    module = importlib.import_module(f"vllm.model_executor.models.{module_name}")
+    lm_cls = getattr(module, lm_name)
+    stand_in = SimpleNamespace(model=SimpleNamespace(layers=[None] * num_layers))
+    model_cls = getattr(module, model_name)
+    report.append({
+        "supports_eagle3": supports_eagle3(lm_cls),
+        "default_input_layers": list(lm_cls.get_eagle3_default_aux_hidden_state_layers(stand_in)),
+        "captured": captured(model_cls, sys.modules[model_cls.forward.__module__], num_layers, written),
+    })
+print("REPORT", json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_capture_per_family_is_what_the_rule_says():
+    """vLLM 0.32 (.venv-vllm): Llama and Qwen3 support EAGLE-3, their own forward captures, for the ids our rule writes,
+    exactly the layer outputs the drafter was trained on, and their default layers are the rule's."""
+    import json
+    import subprocess
+
+    from draftline.config import DraftlineConfig
+    from draftline.engines.vllm.engine import vllm_python
+
+    version = DraftlineConfig().engine.vllm.version
+    cases = []
+    for family, module_name, model_name, lm_name in (("llama", "llama", "LlamaModel", "LlamaForCausalLM"),
+                                                     ("qwen3", "qwen3", "Qwen3Model", "Qwen3ForCausalLM")):  # fmt: skip
+        for num_layers, capture in ((8, [1, 3, 4]), (8, [0, 2, 6]), (36, [1, 17, 32])):
+            written = aux_layer_ids(family, "vllm", version, num_layers, capture).written
+            cases.append((family, module_name, model_name, lm_name, num_layers, written, capture))
+    probe = [case[:6] for case in cases]
+    done = subprocess.run([str(vllm_python(DraftlineConfig())), "-c", VLLM_CAPTURE_PROBE, json.dumps(probe)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.split("REPORT", 1)[1])
+    for (family, _, _, _, num_layers, written, capture), seen in zip(cases, report):
+        rule = rule_for(family, "vllm", version)
+        assert seen["supports_eagle3"], family
+        assert seen["captured"] == capture, (family, num_layers, written, rule.source)
+        assert seen["default_input_layers"] == rule.default_input_layers(num_layers), (family, rule.source)

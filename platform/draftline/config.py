@@ -263,7 +263,10 @@ class VLLMConfig(Strict):
     max_model_len: Optional[int] = Field(None, ge=16, description="--max-model-len; None = the target's context")
     max_num_seqs: Optional[int] = Field(None, ge=1, description="--max-num-seqs (requests batched at once)")
     enforce_eager: bool = Field(False, description="--enforce-eager: no torch.compile (starts faster, runs slower)")
-    kv_cache_space_gib: float = Field(1, gt=0, description="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build, GiB")
+    kv_cache_space_gib: int = Field(
+        1, ge=1, description="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build, whole GiB (vLLM 0.32 parses it with "
+        "int(): 0.5 fails at start-up, vllm/platforms/cpu.py)",
+    )
     cpu_threads: Optional[int] = Field(
         None, ge=1, description="OpenMP threads of the CPU build (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS); "
         "None = vLLM's own core binding",

@@ -156,7 +156,7 @@ def server_env(cfg: DraftlineConfig, python: Path) -> tuple[dict[str, str], bool
     """Environment of the server process, and whether Intel OpenMP is preloaded."""
     v = cfg.engine.vllm
     env = dict(os.environ)
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{v.kv_cache_space_gib:g}"
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(v.kv_cache_space_gib)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     if v.cpu_threads is not None:

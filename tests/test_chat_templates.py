@@ -1,0 +1,234 @@
+"""Real chat-template layouts (Llama-3.1, Qwen3 with thinking, DeepSeek-V3, Kimi-K2): golden token-level loss masks.
+
+Each template in tests/data/chat_templates/ is draftline's own rendering of a published layout (the header of each
+.jinja names the published file and what it leaves out; families.json names its tokens). The tokenizer is a small
+byte-level BPE trained here with the `tokenizers` package, with that family's special and added tokens.
+
+Why the goldens are right, by construction and not by freezing output: `LAYOUTS` writes each family's published
+layout out by hand as (text, trained) segments, where the trained segments are exactly the reply plus the
+end-of-turn token (and, for Qwen3's last turn, its think block). The rendered text must equal the segments joined,
+and the runs of masked tokens must equal the trained segments; only then is the token-level golden file compared,
+which pins the token boundaries. `DRAFTLINE_UPDATE_GOLDEN=1` rewrites the golden files (after those checks pass).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+FAMILIES = {k: v for k, v in json.loads((TEMPLATES / "families.json").read_text()).items() if not k.startswith("_")}
+GOLDEN = TEMPLATES / "golden"
+
+CORPUS = [
+    "be brief. what is two plus two? it is four. and three? five.",
+    "think step by step: two plus two makes four, two plus three makes five.",
+    "hello world, how are you today? fine, thanks.\n\nok then.",
+    "\n\n\n".join(["sections", "are", "split", "by", "two", "blank", "lines"]),
+] * 20
+
+CONVERSATIONS = {
+    "reasoning_multi_turn": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is two plus two?"},
+        {"role": "assistant", "content": "four", "reasoning_content": "two plus two makes four"},
+        {"role": "user", "content": "and three?"},
+        {"role": "assistant", "content": "it is five.", "reasoning_content": "two plus three makes five"},
+    ],
+    "no_system": [
+        {"role": "user", "content": "hello world"},
+        {"role": "assistant", "content": "fine, thanks."},
+    ],
+}
+
+
+def family_tokenizer(name: str, template: str | None = None):
+    """A byte-level BPE trained on CORPUS with the family's tokens, carrying the family's (or the given) template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    family = FAMILIES[name]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=family["special_tokens"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    core.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=family["bos_token"], eos_token=family["eos_token"])
+    tokenizer.add_tokens(family["added_tokens"])
+    tokenizer.chat_template = template or (TEMPLATES / f"{name}.jinja").read_text()
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return {name: family_tokenizer(name) for name in FAMILIES}
+
+
+# ------------------------------------------------------------------------------ the published layouts, by hand
+
+
+def _llama31(messages):
+    header = "<|start_header_id|>{}<|end_header_id|>\n\n".format
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    turns = messages[1:] if system else messages
+    segments = [("<|begin_of_text|>" + header("system") + "Cutting Knowledge Date: December 2023\n"
+                 "Today Date: 26 Jul 2024\n\n" + system + "<|eot_id|>", False)]
+    for m in turns:
+        segments += [(header(m["role"]), False), (m["content"] + "<|eot_id|>", m["role"] == "assistant")]
+    return segments
+
+
+def _qwen3(messages):
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    segments = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            segments.append((f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n", False))
+            continue
+        segments.append(("<|im_start|>assistant\n", False))
+        # Thinking is rendered for the reply after the last user message only; earlier turns' thinking is dropped.
+        think = f"<think>\n{m.get('reasoning_content', '')}\n</think>\n\n" if i > last_user else ""
+        segments += [(think + m["content"] + "<|im_end|>", True), ("\n", False)]
+    return segments
+
+
+def _deepseek_v3(messages):
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    segments = [("<｜begin▁of▁sentence｜>" + system, False)]
+    for m in messages:
+        if m["role"] == "user":
+            segments.append(("<｜User｜>" + m["content"], False))
+        elif m["role"] == "assistant":
+            segments += [("<｜Assistant｜>", False), (m["content"] + "<｜end▁of▁sentence｜>", True)]
+    return segments
+
+
+def _kimi_k2(messages):
+    marker = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>"}
+    segments = []
+    if messages[0]["role"] != "system":
+        segments.append(("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>", False))
+    for m in messages:
+        head = f"{marker[m['role']]}{m['role']}<|im_middle|>"
+        if m["role"] == "assistant":
+            segments += [(head, False), (m["content"] + "<|im_end|>", True)]
+        else:
+            segments.append((head + m["content"] + "<|im_end|>", False))
+    return segments
+
+
+END_OF_TURN = {"llama3.1": "<|eot_id|>", "qwen3": "<|im_end|>", "deepseek-v3": "<｜end▁of▁sentence｜>", "kimi-k2": "<|im_end|>"}
+LAYOUTS = {"llama3.1": _llama31, "qwen3": _qwen3, "deepseek-v3": _deepseek_v3, "kimi-k2": _kimi_k2}
+
+
+def _merged(segments):
+    out = []
+    for text, trained in segments:
+        if out and out[-1][1] == trained:
+            out[-1] = (out[-1][0] + text, trained)
+        elif text:
+            out.append((text, trained))
+    return out
+
+
+def _runs(tokenizer, sample):
+    """Decode consecutive runs of equal mask value: [(text, mask), ...]."""
+    runs, current, value = [], [], None
+    for token, m in zip(sample.input_ids, sample.loss_mask):
+        if value is not None and m != value:
+            runs.append((tokenizer.decode(current), bool(value)))
+            current = []
+        current.append(token)
+        value = m
+    runs.append((tokenizer.decode(current), bool(value)))
+    return runs
+
+
+def _golden_json(produced: dict) -> str:
+    """One token per line, so a diff of a golden file reads token by token."""
+    parts = []
+    for conv_name, entry in produced.items():
+        tokens = ",\n".join("   " + json.dumps(t, ensure_ascii=False) for t in entry["tokens"])
+        parts.append(f' {json.dumps(conv_name)}: {{\n  "rendered": {json.dumps(entry["rendered"], ensure_ascii=False)},\n'
+                     f'  "tokens": [\n{tokens}\n  ]\n }}')
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def test_every_template_has_a_layout_a_source_and_a_golden():
+    assert set(FAMILIES) == set(LAYOUTS) == {p.stem for p in TEMPLATES.glob("*.jinja")}
+    for name, family in FAMILIES.items():
+        assert family["source"].startswith("https://huggingface.co/")
+        header = (TEMPLATES / f"{name}.jinja").read_text().split("-#}")[0]
+        assert family["source"].split("/")[4].split(",")[0] in header and "Left out" in header
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_golden_masks(name, tokenizers):
+    tokenizer = tokenizers[name]
+    assert end_of_turn_text(tokenizer) == END_OF_TURN[name]
+    golden_path = GOLDEN / f"{name}.json"
+    produced = {}
+    for conv_name, messages in CONVERSATIONS.items():
+        expected = _merged(LAYOUTS[name](messages))
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        assert rendered == "".join(text for text, _ in expected), f"{name} renders another layout than the published one"
+        sample = build_masked_sample(tokenizer, messages)
+        assert len(sample.input_ids) == len(sample.loss_mask)
+        assert _runs(tokenizer, sample) == expected
+        tokens = tokenizer.convert_ids_to_tokens(sample.input_ids)
+        produced[conv_name] = {"rendered": rendered, "tokens": [[t, m] for t, m in zip(tokens, sample.loss_mask)]}
+    if os.environ.get("DRAFTLINE_UPDATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        golden_path.write_text(_golden_json(produced))
+    assert json.loads(golden_path.read_text()) == produced
+
+
+def test_qwen3_thinking_of_the_last_turn_is_trained_earlier_thinking_is_dropped(tokenizers):
+    tokenizer = tokenizers["qwen3"]
+    messages = CONVERSATIONS["reasoning_multi_turn"]
+    sample = build_masked_sample(tokenizer, messages)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert messages[2]["reasoning_content"] not in text
+    trained = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+    assert trained == "four<|im_end|><think>\ntwo plus three makes five\n</think>\n\nit is five.<|im_end|>"
+    assert tokenizer.convert_tokens_to_ids("<think>") in [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+
+
+def test_llama_trim_is_a_rewrite_the_mask_refuses(tokenizers):
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "four "}]
+    with pytest.raises(TemplateError, match=r"turn 1: the reply \('four '\) is not found verbatim") as err:
+        build_masked_sample(tokenizers["llama3.1"], messages)
+    assert err.value.turn == 1
+
+
+def test_qwen3_inline_think_is_a_rewrite_the_mask_refuses(tokenizers):
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "<think>two</think>four"}]
+    with pytest.raises(TemplateError, match="turn 1: .*put thinking in reasoning_content"):
+        build_masked_sample(tokenizers["qwen3"], messages)
+
+
+def test_template_whose_prefix_is_not_a_prefix_of_the_whole_is_refused():
+    """Modelled on thinking templates whose generation prompt opens a think block that rendered history turns lack."""
+    template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+    )
+    tokenizer = family_tokenizer("qwen3", template)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "four"}]
+    with pytest.raises(TemplateError, match="turn 1: the template renders the conversation up to this reply .* differently"):
+        build_masked_sample(tokenizer, messages)
+
+
+def test_generation_prompt_merged_with_the_reply_is_refused(tokenizers):
+    """Qwen3 history turns keep the reply as is: one starting with two newlines: the
+    byte-level pre-tokenizer makes one piece of the header's newline and the first of them."""
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nok then."},
+                {"role": "user", "content": "and?"}, {"role": "assistant", "content": "fine."}]
+    with pytest.raises(TemplateError, match=r"turn 1: the tokenizer merges the end of the generation prompt"):
+        build_masked_sample(tokenizers["qwen3"], messages)

@@ -232,3 +232,78 @@ def test_generation_prompt_merged_with_the_reply_is_refused(tokenizers):
                 {"role": "user", "content": "and?"}, {"role": "assistant", "content": "fine."}]
     with pytest.raises(TemplateError, match=r"turn 1: the tokenizer merges the end of the generation prompt"):
         build_masked_sample(tokenizers["qwen3"], messages)
+
+
+# ------------------------------------------------------------------------------ prepare with a template's target
+
+PREPARE_LINES = [
+    {"id": "thinking", "messages": CONVERSATIONS["reasoning_multi_turn"]},
+    {"id": "tool-result", "messages": [{"role": "user", "content": "weather?"},
+                                       {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": "{}"}}]},
+                                       {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "sunny"}]},
+    {"id": "sharegpt-tool", "conversations": [{"from": "human", "value": "weather?"}, {"from": "function_call", "value": "{}"},
+                                              {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "sunny"}]},
+    {"id": "inline-think", "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "<think>two</think>four"}]},
+    {"id": "plain", "messages": CONVERSATIONS["no_system"]},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_target_dir(tmp_path_factory, tokenizers):
+    """A user's target as prepare sees it (target.kind=hf): its tokenizer directory, chat template included."""
+    target_dir = tmp_path_factory.mktemp("qwen3-target")
+    tokenizers["qwen3"].save_pretrained(target_dir)
+    return target_dir
+
+
+def _prepare_config(tmp_path, extra=()):
+    from conftest import make_test_config
+
+    path = tmp_path / "conv.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in PREPARE_LINES))
+    return path, make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.split.val_fraction=0.0",
+                                                    "data.split.bench_fraction=0.0", "data.draft_vocab_size=64", *extra])
+
+
+def test_prepare_uses_the_targets_own_template_and_counts_what_the_mask_cannot_represent(tmp_path, qwen3_target_dir, tokenizers):
+    from draftline.data.prepare import load_split, prepare
+    from draftline.utils import read_json
+
+    path, cfg = _prepare_config(tmp_path)
+    out = prepare(cfg, qwen3_target_dir)
+    report = read_json(out / "report.json")
+    assert report["bad_input"]["by_kind"] == {"unsupported": 2, "template": 1}
+    items = report["bad_input"]["items"]
+    assert items[0].startswith(f"{path}:2: unsupported: conversation 'tool-result' turn 1: the turn has tool_calls")
+    assert items[1].startswith(f"{path}:3: unsupported: conversation 'sharegpt-tool' turn 1: from='function_call' is a tool turn")
+    assert items[2].startswith(f"{path}:4: template: conversation 'inline-think' turn 1: the reply ('<think>two</think>four')")
+    tokenizer = tokenizers["qwen3"]
+    samples = {s["id"]: s for s in load_split(out, "train")}
+    assert set(samples) == {"thinking", "plain"}
+    masked = [t for t, m in zip(samples["thinking"]["input_ids"], samples["thinking"]["loss_mask"]) if m]
+    assert tokenizer.decode(masked) == "four<|im_end|><think>\ntwo plus three makes five\n</think>\n\nit is five.<|im_end|>"
+    assert tokenizer.decode(samples["thinking"]["input_ids"]) == tokenizer.apply_chat_template(CONVERSATIONS["reasoning_multi_turn"], tokenize=False)
+
+
+def test_prepare_fails_on_what_the_mask_cannot_represent_with_policy_fail(tmp_path, qwen3_target_dir):
+    from draftline.data.conversations import DataError
+    from draftline.data.prepare import prepare
+
+    path, cfg = _prepare_config(tmp_path, ["data.on_bad_input=fail"])
+    with pytest.raises(DataError) as err:
+        prepare(cfg, qwen3_target_dir)
+    message = str(err.value)
+    assert "3 bad input(s)" in message and f"{path}:4: template: conversation 'inline-think' turn 1" in message
+    assert f"{path}:2: unsupported: conversation 'tool-result' turn 1" in message
+
+
+def test_prepare_refuses_a_target_without_a_chat_template(tmp_path):
+    from draftline.data.prepare import prepare
+
+    target_dir = tmp_path / "base-model"
+    tokenizer = family_tokenizer("qwen3")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(target_dir)
+    _, cfg = _prepare_config(tmp_path)
+    with pytest.raises(ValueError, match=r"has no chat template.*add its template as chat_template.jinja"):
+        prepare(cfg, target_dir)

@@ -1,8 +1,9 @@
 """Real chat-template layouts (Llama-3.1, Qwen3 with thinking, DeepSeek-V3, Kimi-K2): golden token-level loss masks.
 
-Each template in tests/data/chat_templates/ is draftline's own rendering of a published layout (the header of each
-.jinja names the published file and what it leaves out; families.json names its tokens). The tokenizer is a small
-byte-level BPE trained here with the `tokenizers` package, with that family's special and added tokens.
+Each template in platform/draftline/target/chat_templates/ is draftline's own rendering of a published layout (the
+header of each .jinja names the published file and what it leaves out; layouts.json names its tokens). The tokenizer
+is a small byte-level BPE trained here with the `tokenizers` package (the embedded target's `_train_tokenizer`), with
+that layout's special and added tokens.
 
 Why the goldens are right, by construction and not by freezing output: `LAYOUTS` writes each family's published
 layout out by hand as (text, trained) segments, where the trained segments are exactly the reply plus the
@@ -20,10 +21,11 @@ from pathlib import Path
 import pytest
 
 from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
+from draftline.target.bootstrap import _train_tokenizer
+from draftline.target.chat_layouts import TEMPLATE_DIR, chat_layout, layout_names
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
-FAMILIES = {k: v for k, v in json.loads((TEMPLATES / "families.json").read_text()).items() if not k.startswith("_")}
-GOLDEN = TEMPLATES / "golden"
+FAMILIES = [name for name in layout_names() if name != "draftline"]  # draftline's own: tests/test_data_masks.py
+GOLDEN = Path(__file__).parent / "data" / "chat_templates"
 
 CORPUS = [
     "be brief. what is two plus two? it is four. and three? five.",
@@ -48,20 +50,10 @@ CONVERSATIONS = {
 
 
 def family_tokenizer(name: str, template: str | None = None):
-    """A byte-level BPE trained on CORPUS with the family's tokens, carrying the family's (or the given) template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    family = FAMILIES[name]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=family["special_tokens"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    core.train_from_iterator(CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=family["bos_token"], eos_token=family["eos_token"])
-    tokenizer.add_tokens(family["added_tokens"])
-    tokenizer.chat_template = template or (TEMPLATES / f"{name}.jinja").read_text()
+    """A byte-level BPE trained on CORPUS with the layout's tokens, carrying the layout's (or the given) template."""
+    tokenizer = _train_tokenizer(CORPUS, 320, chat_layout(name))
+    if template:
+        tokenizer.chat_template = template
     return tokenizer
 
 
@@ -161,11 +153,14 @@ def _golden_json(produced: dict) -> str:
 
 
 def test_every_template_has_a_layout_a_source_and_a_golden():
-    assert set(FAMILIES) == set(LAYOUTS) == {p.stem for p in TEMPLATES.glob("*.jinja")}
-    for name, family in FAMILIES.items():
-        assert family["source"].startswith("https://huggingface.co/")
-        header = (TEMPLATES / f"{name}.jinja").read_text().split("-#}")[0]
-        assert family["source"].split("/")[4].split(",")[0] in header and "Left out" in header
+    assert set(FAMILIES) == set(LAYOUTS) == {p.stem for p in TEMPLATE_DIR.glob("*.jinja")} - {"draftline"}
+    assert set(FAMILIES) == {p.stem for p in GOLDEN.glob("*.json")}
+    for name in FAMILIES:
+        layout = chat_layout(name)
+        assert layout.source.startswith("https://huggingface.co/")
+        header = layout.template.split("-#}")[0]
+        assert layout.source.split("/")[4].split(",")[0] in header and "Left out" in header
+        assert END_OF_TURN[name] == layout.eos_token
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -307,3 +302,4 @@ def test_prepare_refuses_a_target_without_a_chat_template(tmp_path):
     _, cfg = _prepare_config(tmp_path)
     with pytest.raises(ValueError, match=r"has no chat template.*add its template as chat_template.jinja"):
         prepare(cfg, target_dir)
+

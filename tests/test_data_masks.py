@@ -1,32 +1,18 @@
-"""Loss masks: golden token-level expectations for two chat templates (the tiny target's and a Llama-3-style one)."""
+"""Loss masks on the tiny target's own chat template (the published families' layouts: tests/test_chat_templates.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from draftline.data.masks import build_masked_sample, end_of_turn_text
-from draftline.target.bootstrap import CHAT_TEMPLATE, _train_tokenizer
+from draftline.target.bootstrap import _train_tokenizer
 
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
 CORPUS = ["hello world, how are you today?", "the quick brown fox jumps over the lazy dog", "ok then, fine.", "def f(x): return x"] * 20
 
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
     return _train_tokenizer(CORPUS, 400)
-
-
-@pytest.fixture(scope="module")
-def llama3_tokenizer():
-    tokenizer = _train_tokenizer(CORPUS, 400)
-    tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-                                  "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]})
-    tokenizer.chat_template = LLAMA3_TEMPLATE
-    return tokenizer
 
 
 def _pieces(tokenizer, sample):
@@ -61,19 +47,6 @@ def test_tiny_template_golden(tiny_tokenizer):
         ("fine, the fox<|end|>", 1),
     ]
     assert len(sample.input_ids) == len(sample.loss_mask)
-
-
-def test_llama3_style_template_golden(llama3_tokenizer):
-    assert end_of_turn_text(llama3_tokenizer) == "<|eot_id|>"
-    sample = build_masked_sample(llama3_tokenizer, MULTI_TURN)
-    header = "<|start_header_id|>{}<|end_header_id|>\n\n"
-    assert _pieces(llama3_tokenizer, sample) == [
-        ("<|begin_of_text|>" + header.format("system") + "be brief<|eot_id|>" + header.format("user")
-         + "hello world<|eot_id|>" + header.format("assistant"), 0),
-        ("ok then<|eot_id|>", 1),
-        (header.format("user") + "how are you<|eot_id|>" + header.format("assistant"), 0),
-        ("fine, the fox<|eot_id|>", 1),
-    ]
 
 
 def test_empty_reply_masks_only_end_of_turn(tiny_tokenizer):

@@ -41,6 +41,10 @@ class EmbeddedTargetConfig(Strict):
     family: str = Field(
         "llama", description="model family (draftline.target.families): llama, llama3.1, qwen3, qwen3-moe, deepseek-v3"
     )
+    chat_template: str = Field(
+        "draftline", description="chat layout the target's tokenizer is trained with and its replies are written in "
+        "(draftline.target.chat_layouts): draftline, llama3.1, qwen3, deepseek-v3, kimi-k2",
+    )
     num_layers: int = Field(8, ge=7, description="decoder layers; >= 7 so SGLang's default aux layers [2, n//2, n-3] are distinct")
     hidden_size: int = Field(160, ge=32)
     intermediate_size: int = Field(432, ge=32)
@@ -66,6 +70,14 @@ class EmbeddedTargetConfig(Strict):
 
         if self.family not in FAMILIES:
             raise ValueError(f"target.embedded.family {self.family!r} is not one of {sorted(FAMILIES)}")
+        return self
+
+    @model_validator(mode="after")
+    def _known_chat_template(self) -> "EmbeddedTargetConfig":
+        from draftline.target.chat_layouts import layout_names
+
+        if self.chat_template not in layout_names():
+            raise ValueError(f"target.embedded.chat_template {self.chat_template!r} is not one of {layout_names()}")
         return self
 
     @model_validator(mode="after")

@@ -1,6 +1,8 @@
 """Reading conversations: jsonl or parquet, OpenAI `messages`, ShareGPT `conversations` (from/value) or
 UltraChat `data` (a list of strings, user and assistant alternating, user first).
 An assistant turn's `reasoning_content` (a reasoning target's thinking) is kept when it is a string.
+Tool use (a tool/function role, an assistant turn with `tool_calls` or `function_call`) is refused as `unsupported`:
+the loss mask covers plain chat turns only, and dropping the calls silently would train replies the target never gave.
 
 Every problem becomes a `BadInput` naming the file, the line (1-based; parquet: row + 1) and what to do;
 nothing is silently dropped: the caller counts every one in the prepare report.
@@ -15,6 +17,9 @@ from typing import Iterator, Literal
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "chatgpt": "assistant"}
+# Roles (OpenAI, ShareGPT/LLaMA-Factory, Llama-3.1) and assistant fields that carry tool use.
+TOOL_ROLES = ("tool", "function", "function_call", "observation", "ipython")
+TOOL_CALL_FIELDS = ("tool_calls", "function_call")
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -31,7 +36,7 @@ class BadRecord:
 class BadInput:
     file: str
     line: int
-    kind: str  # malformed | unknown_role | no_assistant | bad_field | over_length
+    kind: str  # malformed | unknown_role | no_assistant | bad_field | unsupported | template | over_length
     message: str
 
     def __str__(self) -> str:
@@ -96,7 +101,12 @@ def _ultrachat_turns(record: dict) -> object:
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(data)]
 
 
-def _normalize(record: dict, fmt: str, where: tuple[str, int]) -> list[dict[str, str]] | BadInput:
+def _unsupported(file: str, line: int, conv_id: str, turn: int, what: str) -> BadInput:
+    return BadInput(file, line, "unsupported", f"conversation {conv_id!r} turn {turn}: {what}; draftline's loss mask covers "
+                    "plain chat turns only (tool use is not supported yet): remove the tool turns or the conversation")
+
+
+def _normalize(record: dict, fmt: str, where: tuple[str, int], conv_id: str) -> list[dict[str, str]] | BadInput:
     file, line = where
     if fmt == "auto":
         fmt = next((f for f, key in (("openai", "messages"), ("sharegpt", "conversations"), ("ultrachat", "data")) if key in record), "")
@@ -115,6 +125,11 @@ def _normalize(record: dict, fmt: str, where: tuple[str, int]) -> list[dict[str,
         if not isinstance(turn, dict):
             return BadInput(file, line, "bad_field", f"turn {i} is {type(turn).__name__}, expected an object with {role_key}/{content_key}")
         role = turn.get(role_key)
+        if role in TOOL_ROLES:
+            return _unsupported(file, line, conv_id, i, f"{role_key}={role!r} is a tool turn")
+        if any(turn.get(key) for key in TOOL_CALL_FIELDS):
+            key = next(key for key in TOOL_CALL_FIELDS if turn.get(key))
+            return _unsupported(file, line, conv_id, i, f"the turn has {key}")
         if role not in role_map:
             allowed = ", ".join(sorted(role_map))
             return BadInput(file, line, "unknown_role", f"turn {i} has {role_key}={role!r}; allowed: {allowed}")
@@ -147,11 +162,11 @@ def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegp
         if not isinstance(record, dict):
             bad.append(BadInput(str(path), line, "malformed", f"expected a JSON object per line, got {type(record).__name__}"))
             continue
-        messages = _normalize(record, fmt, (str(path), line))
+        conv_id = str(record.get("id") or f"{path.name}:{line}")
+        messages = _normalize(record, fmt, (str(path), line), conv_id)
         if isinstance(messages, BadInput):
             bad.append(messages)
             continue
-        conv_id = str(record.get("id") or f"{path.name}:{line}")
         good.append(Conversation(id=conv_id, messages=messages, file=str(path), line=line))
     return good, bad
 

@@ -1,8 +1,17 @@
 """Chat template -> token ids + assistant-only loss mask.
 
-The template is rendered to text; each assistant reply is located in that text (after the rendered prefix of
-the turns before it), and the tokens that start inside a reply, plus the end-of-turn token the template puts right after it, get mask 1.
-That end-of-turn token is found by rendering a probe conversation, so any template works without per-template code.
+The conversation is rendered once with the target's own chat template. For each assistant turn i, the rendering of
+the turns before it plus the generation prompt (what a serving engine sends the target) must be a prefix of the full
+rendering; the trained region of turn i is everything the target would generate from there: any text the template
+puts before the reply (Qwen3's `<think>` block, rendered from `reasoning_content`), the reply itself verbatim, and
+the end-of-turn token. Tokens that start inside a trained region get mask 1; headers, system and user text get 0.
+
+The end-of-turn token is found by rendering a probe conversation, so any template works without per-template code.
+What this cannot represent is refused with a `TemplateError` naming the turn (never masked approximately):
+- a template that rewrites the reply (Llama-3.1 trims it, Qwen3 moves inline `<think>` text out of it);
+- a template whose rendering up to a turn is not a prefix of the full rendering;
+- a tokenizer that merges the end of the generation prompt with the first characters of the reply, so the trained
+  tokens would not be the ones the target generates after that prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +28,12 @@ class MaskedSample:
 
 
 class TemplateError(ValueError):
-    pass
+    """A conversation the assistant-only mask cannot represent; `turn` is the 0-based index of the message."""
+
+    def __init__(self, turn: int, reason: str):
+        super().__init__(f"turn {turn}: {reason}")
+        self.turn = turn
+        self.reason = reason
 
 
 def end_of_turn_text(tokenizer) -> str:
@@ -34,34 +48,64 @@ def end_of_turn_text(tokenizer) -> str:
     return ""
 
 
-def build_masked_sample(tokenizer, messages: list[dict[str, str]], eot_text: str | None = None) -> MaskedSample:
+def _generation_prompt(tokenizer, history: list[dict]) -> str:
+    return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+
+
+def trained_spans(tokenizer, messages: list[dict], eot_text: str) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, [start, end) character spans of the trained region of each assistant turn)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assistant_turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    starts = {}
+    for i in assistant_turns:
+        prefix = _generation_prompt(tokenizer, messages[:i])
+        if not text.startswith(prefix):
+            at = next((k for k, (a, b) in enumerate(zip(prefix, text)) if a != b), min(len(prefix), len(text)))
+            raise TemplateError(
+                i, f"the template renders the conversation up to this reply (with the generation prompt) differently "
+                f"from the whole conversation (they part at character {at}: {prefix[at:at + 30]!r} vs {text[at:at + 30]!r}), "
+                "so the prompt the target is served with is not the one it would be trained on; the loss mask "
+                "cannot represent this template")
+        starts[i] = len(prefix)
+    spans = []
+    for k, i in enumerate(assistant_turns):
+        start = starts[i]
+        # The reply must lie before where the next assistant turn's prompt ends (or the end of the text).
+        limit = starts[assistant_turns[k + 1]] if k + 1 < len(assistant_turns) else len(text)
+        reply = messages[i]["content"] + eot_text
+        at = text.find(reply, start, limit)
+        # Found only after the turn's own end-of-turn token means it was found in a later turn.
+        if at < 0 or (eot_text and eot_text in text[start:at]):
+            raise TemplateError(
+                i, f"the reply ({_excerpt(messages[i]['content'])}) is not found verbatim in the rendered chat "
+                "template: the template rewrites it (e.g. trims whitespace, or moves inline <think> text out of it; "
+                "put thinking in reasoning_content), so the loss mask cannot say which tokens are the reply")
+        spans.append((start, at + len(reply)))
+    return text, spans
+
+
+def _excerpt(content: str) -> str:
+    return repr(content) if len(content) <= 40 else repr(content[:37]) + "..."
+
+
+def build_masked_sample(tokenizer, messages: list[dict], eot_text: str | None = None) -> MaskedSample:
     if eot_text is None:
         eot_text = end_of_turn_text(tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        # The template rendered up to this reply (with the generation prompt) is a prefix of the full text for
-        # prefix-stable templates; otherwise fall back to locating the reply text after the previous one.
-        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        if text.startswith(prefix) and text.startswith(message["content"], len(prefix)):
-            start = len(prefix)
-        else:
-            start = text.find(message["content"], cursor)
-        if start < 0:
-            raise TemplateError(f"assistant turn {i} is not found verbatim in the rendered chat template; the template rewrites content")
-        end = start + len(message["content"])
-        if eot_text and text.startswith(eot_text, end):
-            end += len(eot_text)
-        spans.append((start, end))
-        cursor = end
+    text, spans = trained_spans(tokenizer, messages, eot_text)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for turn, (start, _) in zip(turns, spans):
+        straddling = next(((a, b) for a, b in offsets if a < start < b), None)
+        if straddling:
+            raise TemplateError(
+                turn, f"the tokenizer merges the end of the generation prompt with the start of the reply into one "
+                f"token ({text[straddling[0]:straddling[1]]!r}), so the trained tokens would differ from those the "
+                "target generates after the prompt; remove the leading whitespace of the reply")
     input_ids = list(encoded["input_ids"])
     loss_mask = [0] * len(input_ids)
     span_index = 0
-    for t, (tok_start, tok_end) in enumerate(encoded["offset_mapping"]):
+    for t, (tok_start, tok_end) in enumerate(offsets):
         while span_index < len(spans) and tok_start >= spans[span_index][1]:
             span_index += 1
         if span_index < len(spans) and spans[span_index][0] <= tok_start < spans[span_index][1] and tok_end > tok_start:

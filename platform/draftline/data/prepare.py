@@ -13,7 +13,7 @@ from pathlib import Path
 
 from draftline.config import DraftlineConfig, write_resolved
 from draftline.data.conversations import BadInput, DataError, drop_duplicate_ids, read_conversations
-from draftline.data.masks import build_masked_sample, end_of_turn_text
+from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
 from draftline.regenerate.run import check_regenerated_for_target
 from draftline.utils import atomic_write_json, read_json, sha256_file, split_of, stable_hash
@@ -69,6 +69,12 @@ def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
         return out_dir
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"the target's tokenizer at {target_dir} has no chat template, so conversations cannot be rendered the way "
+            "the target is served; use the instruct/chat model, or add its template as chat_template.jinja to that "
+            "directory (see docs/chat-templates.md)"
+        )
     target_vocab_size = len(tokenizer)
     conversations, problems = read_conversations(conv_path, cfg.data.format)
     records_read = len(conversations) + len(problems)
@@ -78,7 +84,11 @@ def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
     conversations, duplicates = drop_duplicate_ids(conversations)
     problems += duplicates
     for conv in conversations:
-        sample = build_masked_sample(tokenizer, conv.messages, eot)
+        try:
+            sample = build_masked_sample(tokenizer, conv.messages, eot)
+        except TemplateError as err:
+            problems.append(BadInput(conv.file, conv.line, "template", f"conversation {conv.id!r} {err}"))
+            continue
         if len(sample.input_ids) > cfg.data.max_seq_len:
             detail = f"{len(sample.input_ids)} tokens > data.max_seq_len={cfg.data.max_seq_len}"
             if cfg.data.over_length != "truncate":

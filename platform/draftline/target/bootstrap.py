@@ -2,7 +2,8 @@
 
 No hub download: a byte-level BPE tokenizer and a small causal LM of the configured family
 (`target.embedded.family`, see target/families.py: Llama, Llama-3.1, Qwen3, Qwen3-MoE, DeepSeek-V3) are trained on (signature, docstring)
-pairs from Python's standard library, formatted with a chat template. The result is saved with `save_pretrained`
+pairs from Python's standard library, formatted with a chat template (`target.embedded.chat_template`, see
+target/chat_layouts.py: draftline's own, or the layout of Llama-3.1, Qwen3, DeepSeek-V3 or Kimi-K2). The result is saved with `save_pretrained`
 so it loads like any HF model (and would load in SGLang on a GPU). The same directory gets `conversations.jsonl`:
 prompts answered greedily by the target itself, so the drafter learns the target's own distribution.
 
@@ -21,17 +22,12 @@ from pathlib import Path
 import torch
 
 from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem, write_resolved
+from draftline.target.chat_layouts import ChatLayout, chat_layout
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
 from draftline.target.families import FAMILIES, build_model_config, served_head_dims
 from draftline.utils import atomic_write_json, read_json, split_of, stable_fraction, stable_hash
 
-BOS, END, PAD = "<|bos|>", "<|end|>", "<|pad|>"
-SPECIAL_TOKENS = [PAD, BOS, END, "<|system|>", "<|user|>", "<|assistant|>"]
-# Every turn is <|role|>content<|end|>; the reply the model must learn is the assistant content plus <|end|>.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+PAD = "<|pad|>"
 DONE_MARKER = "bootstrap.json"
 
 
@@ -39,22 +35,24 @@ def _log(msg: str) -> None:
     print(f"[bootstrap-target] {msg}", flush=True)
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int):
+def _train_tokenizer(texts: list[str], vocab_size: int, layout: ChatLayout | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    layout = layout or chat_layout("draftline")
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[PAD, *layout.special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     core.train_from_iterator(texts, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=END, pad_token=PAD)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=layout.bos_token, eos_token=layout.eos_token, pad_token=PAD)
+    tokenizer.add_tokens(list(layout.added_tokens))
+    tokenizer.chat_template = layout.template
     return tokenizer
 
 
@@ -140,9 +138,13 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
 
 
 @torch.no_grad()
-def _generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32) -> list[str]:
+def _generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32) -> list[dict]:
+    """The target's greedy assistant message for each prompt; thinking (Qwen3's layout) goes to reasoning_content."""
+    from draftline.regenerate.run import DEFAULT_REASONING_TAGS, split_reasoning
+
+    tags = DEFAULT_REASONING_TAGS if all(t in tokenizer.get_added_vocab() for t in DEFAULT_REASONING_TAGS) else None
     tokenizer.padding_side = "left"
-    replies: list[str] = []
+    replies: list[dict] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in chunk]
@@ -155,7 +157,9 @@ def _generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int,
             pad_token_id=tokenizer.pad_token_id,
         )
         for row in out[:, enc["input_ids"].shape[1] :]:
-            replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+            content, reasoning = split_reasoning(tokenizer.decode(row, skip_special_tokens=True), tags)
+            replies.append({"role": "assistant", "content": content}
+                           | ({"reasoning_content": reasoning} if reasoning is not None else {}))
     tokenizer.padding_side = "right"
     return replies
 
@@ -182,7 +186,7 @@ def bootstrap_target(cfg: DraftlineConfig) -> Path:
     train_pairs = [p for p in pairs if stable_fraction("lm:" + p.key) >= 0.05]
     _log(f"{len(pairs)} stdlib docstring pairs ({len(train_pairs)} train, {len(heldout)} held out)")
 
-    tokenizer = _train_tokenizer([p.prompt + "\n" + p.answer for p in train_pairs], emb.vocab_size)
+    tokenizer = _train_tokenizer([p.prompt + "\n" + p.answer for p in train_pairs], emb.vocab_size, chat_layout(emb.chat_template))
     train_stream = _token_stream(tokenizer, [_chat_text(tokenizer, p) for p in train_pairs])
     heldout_stream = _token_stream(tokenizer, [_chat_text(tokenizer, p) for p in heldout])
     _log(f"tokenizer: {len(tokenizer)} tokens; train stream {len(train_stream)} tokens")
@@ -202,7 +206,7 @@ def bootstrap_target(cfg: DraftlineConfig) -> Path:
     tokenizer.save_pretrained(tmp_dir)
     with open(tmp_dir / "conversations.jsonl", "w") as handle:
         for pair, reply in zip(chosen, replies):
-            messages = [{"role": "user", "content": pair.prompt}, {"role": "assistant", "content": reply}]
+            messages = [{"role": "user", "content": pair.prompt}, reply]
             handle.write(json.dumps({"id": pair.key, "messages": messages}) + "\n")
     split_counts: dict[str, int] = {}
     for pair in chosen:

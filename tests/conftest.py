@@ -14,6 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 # A bench of a few short prompts: real accept length, speedup and losslessness in seconds (add bench.concurrency).
 SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16"]
 
+# vLLM's CPU build in tests: --enforce-eager skips torch.compile (minutes of start-up), one OpenMP thread per server
+# (the servers share a 2-core machine).
+VLLM_TEST_OVERRIDES = [
+    "engine.backend=vllm", "engine.vllm.enforce_eager=true", "engine.vllm.cpu_threads=1", "engine.vllm.max_model_len=512",
+]
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
@@ -38,11 +44,19 @@ TEST_OVERRIDES = [
 ]
 
 
+TEST_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
+
+
+def config_overrides(data_dir: str | Path | None = None, extra: list[str] | None = None) -> list[str]:
+    """The dotted overrides of the test config (also as `draftline ... --config TEST_CONFIG KEY=VALUE...`)."""
+    data_dir = data_dir or os.environ.get("DRAFTLINE_TEST_DATA_DIR", str(REPO / ".draftline-test"))
+    return TEST_OVERRIDES + [f"data_dir={data_dir}"] + list(extra or [])
+
+
 def make_test_config(data_dir: str | Path | None = None, extra: list[str] | None = None):
     from draftline.config import load_config
 
-    data_dir = data_dir or os.environ.get("DRAFTLINE_TEST_DATA_DIR", str(REPO / ".draftline-test"))
-    return load_config(REPO / "configs" / "tiny-cpu.yaml", TEST_OVERRIDES + [f"data_dir={data_dir}"] + list(extra or []))
+    return load_config(TEST_CONFIG, config_overrides(data_dir, extra))
 
 
 @pytest.fixture(scope="session")

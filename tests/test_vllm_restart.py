@@ -10,18 +10,16 @@ import os
 
 import pytest
 
-from conftest import make_test_config
+from conftest import VLLM_TEST_OVERRIDES, make_test_config
 
 pytestmark = pytest.mark.slow
-
-VLLM = ["engine.backend=vllm", "engine.vllm.enforce_eager=true", "engine.vllm.cpu_threads=1", "engine.vllm.max_model_len=512"]
 
 
 def test_a_crashed_server_is_restarted_and_a_stop_leaves_nothing(tiny_target_dir):
     from draftline.engines import make_engine
     from draftline.engines.base import SamplingParams
 
-    cfg = make_test_config(extra=VLLM + ["engine.vllm.max_restarts=1"])
+    cfg = make_test_config(extra=VLLM_TEST_OVERRIDES + ["engine.vllm.max_restarts=1"])
     params = SamplingParams(max_new_tokens=8)
 
     async def generate(engine) -> list[int]:

@@ -1,0 +1,107 @@
+"""vLLM's CPU build (.venv-vllm, `make setup-vllm`) serving the test target and the fitted drafter, for real.
+
+Everything goes through `draftline bench --engine vllm --drafter DIR` (the CLI, in this process), greedy on the bench
+prompts, one round at concurrency 1: the bench starts one vLLM server per role (target alone, then target + the
+drafter's EAGLE-3 export) and checks losslessness against the target alone; its accept length comes from vLLM's own
+counters (output tokens / drafts). `draftline bench` with the reference engine runs the same prompts with the same
+drafter. Two vLLM start-ups (about a minute each with --enforce-eager on an idle 2-core machine), so marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+import pytest
+
+from conftest import TEST_CONFIG, VLLM_TEST_OVERRIDES, config_overrides
+
+pytestmark = pytest.mark.slow
+
+# Few prompts and short replies keep CI time down; greedy (the bench's default temperature) checks losslessness.
+BENCH_ARGS = ["--num-prompts", "8", "--max-new-tokens", "32", "--concurrency", "1"]
+BENCH_OVERRIDES = ["bench.rounds=1"]
+# vLLM 0.32 (vllm/model_executor/models/llama.py) logs the ids it read from the draft's config at start-up.
+AUX_IDS_LOGGED = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
+MAX_ACCEPT_LENGTH_GAP = 0.03
+
+
+class VLLMLogLines(logging.Handler):
+    """The vLLM servers' output lines (ServerProcess forwards each one to the `draftline.vllm` logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def bench_through_cli(tmp_path, name: str, drafter_dir, extra_args: list[str], overrides: list[str]) -> dict:
+    from draftline.cli import main
+
+    out = tmp_path / f"{name}.json"
+    argv = ["bench", *extra_args, "--drafter", str(drafter_dir), *BENCH_ARGS, "--out", str(out),
+            "--config", str(TEST_CONFIG), *config_overrides(extra=BENCH_OVERRIDES + overrides)]  # fmt: skip
+    started = time.perf_counter()
+    assert main(argv) == 0, f"draftline {' '.join(argv)} failed"
+    print(f"[test_engine_vllm] {name} bench: {time.perf_counter() - started:.1f} s")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def vllm_bench(tmp_path_factory, tiny_target_dir, fitted_drafter_dir):
+    """(report, vLLM log lines) of `draftline bench --engine vllm` (the engine flag, not the config, picks vLLM)."""
+    vllm_overrides = [o for o in VLLM_TEST_OVERRIDES if not o.startswith("engine.backend=")]
+    logger = logging.getLogger("draftline.vllm")
+    handler, level = VLLMLogLines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        report = bench_through_cli(tmp_path_factory.mktemp("vllm"), "vllm", fitted_drafter_dir, ["--engine", "vllm"], vllm_overrides)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return report, handler.lines
+
+
+@pytest.fixture(scope="module")
+def reference_bench(tmp_path_factory, tiny_target_dir, fitted_drafter_dir):
+    return bench_through_cli(tmp_path_factory.mktemp("reference"), "reference", fitted_drafter_dir, [], [])
+
+
+def drafter_row(report: dict) -> dict:
+    (row,) = [row for row in report["rows"] if row["label"] == "drafter"]
+    return row
+
+
+def test_vllm_with_the_drafter_is_token_identical_to_vllm_alone(vllm_bench):
+    report, _ = vllm_bench
+    assert report["backend"] == "vllm" and report["temperature"] == 0 and report["num_prompts"] == 8
+    row = drafter_row(report)
+    counters = row["engine_counters"]
+    # The drafter really ran: vLLM counted drafts and accepted some of them.
+    assert row["output_tokens"] > 0 and counters["drafts"] > 0 and counters["accepted_tokens"] > 0, row
+    assert row["lossless"] is True, f"vLLM with the drafter differs from vLLM serving the target alone: {row}"
+
+
+def test_vllm_reads_the_exports_top_level_aux_ids(vllm_bench, fitted_drafter_dir):
+    _, lines = vllm_bench
+    written = json.loads((fitted_drafter_dir / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    logged = [tuple(int(i) for i in m.group(1).split(",") if i.strip()) for m in map(AUX_IDS_LOGGED.search, lines) if m]
+    # Only the speculative server loads a draft: one line, with exactly the ids written for vLLM.
+    assert logged == [tuple(written)], f"vLLM logged aux ids {logged}, the export wrote {written} for vLLM"
+
+
+def test_vllm_accept_length_is_within_3_percent_of_the_reference_engines(vllm_bench, reference_bench):
+    report, _ = vllm_bench
+    vllm_row, reference_row = drafter_row(report), drafter_row(reference_bench)
+    assert reference_bench["backend"] == "reference" and reference_row["lossless"] is True
+    vllm_accept, reference_accept = vllm_row["accept_length"], reference_row["accept_length"]
+    gap = abs(vllm_accept - reference_accept) / reference_accept
+    assert gap <= MAX_ACCEPT_LENGTH_GAP, (
+        f"accept length: vLLM {vllm_accept} ({vllm_row['engine_counters']}), reference {reference_accept}: "
+        f"{gap:.1%} apart on the same prompts and drafter (aux ids, RoPE or d2t read differently?)"
+    )

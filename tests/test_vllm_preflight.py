@@ -1,12 +1,15 @@
-"""The vLLM preflight: what vLLM's CPU build would reject late (at the first request or minutes into start-up)."""
+"""The vLLM engine without a server: the preflight (what vLLM's CPU build would reject late, at the first request or
+minutes into start-up), the server command, the counter parsing, and `--engine vllm` on the bench and gate commands."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
+from conftest import TEST_CONFIG, config_overrides
 from draftline.config import load_config
 from draftline.engines.vllm.engine import build_server_argv, parse_spec_counters
 from draftline.engines.vllm.preflight import VLLMPreflightError, check_or_raise, preflight
@@ -105,3 +108,26 @@ def test_spec_counters_from_metrics_text():
     assert counters.accepted_per_position == [11, 7, 3]
     assert counters.mean_accept_length == pytest.approx(1 + 21 / 15)
     assert counters.minus(parse_spec_counters(METRICS)).drafts == 0
+
+
+@pytest.mark.parametrize("command, module, function", [("bench", "draftline.bench.cli", "run_bench"),
+                                                       ("gate", "draftline.gate", "run_gate")])  # fmt: skip
+def test_bench_and_gate_commands_run_on_vllm_with_engine_vllm(monkeypatch, command, module, function):
+    from draftline.cli import main
+
+    class Reached(Exception):
+        pass
+
+    backends = []
+
+    def record_backend(cfg, *args, **kwargs):
+        backends.append(cfg.engine.backend)
+        raise Reached  # the command got this far with its config; running it is test_engine_vllm's job
+
+    monkeypatch.setattr(importlib.import_module(module), function, record_backend)
+    drafter_arg = ["--drafter", "unused"] if command == "bench" else []
+    with pytest.raises(Reached):
+        main([command, "--engine", "vllm", *drafter_arg, "--config", str(TEST_CONFIG), *config_overrides()])
+    assert backends == ["vllm"]
+    with pytest.raises(SystemExit):  # argparse: not one of the registered backends
+        main([command, "--engine", "vllm-gpu", "--config", str(TEST_CONFIG)])

@@ -4,7 +4,9 @@ Everything goes through `draftline bench --engine vllm --drafter DIR` (the CLI, 
 prompts, one round at concurrency 1: the bench starts one vLLM server per role (target alone, then target + the
 drafter's EAGLE-3 export) and checks losslessness against the target alone; its accept length comes from vLLM's own
 counters (output tokens / drafts). `draftline bench` with the reference engine runs the same prompts with the same
-drafter. Two vLLM start-ups (about a minute each with --enforce-eager on an idle 2-core machine), so marked slow.
+drafter. With the export's aux ids read one layer too low (the SGLang ids as vLLM's top-level key) vLLM measured
+2.714 against 2.868 here (-5.4%), so the 3% check catches that off-by-one. Two vLLM start-ups (about 35 s each with
+--enforce-eager on an idle 2-core machine), so marked slow.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from conftest import TEST_CONFIG, VLLM_TEST_OVERRIDES, config_overrides
 
 pytestmark = pytest.mark.slow
 
-# Few prompts and short replies keep CI time down; greedy (the bench's default temperature) checks losslessness.
-BENCH_ARGS = ["--num-prompts", "8", "--max-new-tokens", "32", "--concurrency", "1"]
+# The config's bench prompts (at test size the bench split has 19, each answered in about 8 tokens), greedy (the
+# bench's default temperature, which checks losslessness), one round at concurrency 1: a second or two per load, so
+# the two server start-ups are the cost. Fewer prompts would not do: 8 of them make about 23 drafts, where one draft
+# more or less moves the accept length by 4%, more than the 3% being checked.
+BENCH_ARGS = ["--concurrency", "1"]
 BENCH_OVERRIDES = ["bench.rounds=1"]
+MIN_DRAFTS = 40  # one draft is then at most 2.5% of the accept length
 # vLLM 0.32 (vllm/model_executor/models/llama.py) logs the ids it read from the draft's config at start-up.
 AUX_IDS_LOGGED = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
 MAX_ACCEPT_LENGTH_GAP = 0.03
@@ -79,7 +85,7 @@ def drafter_row(report: dict) -> dict:
 
 def test_vllm_with_the_drafter_is_token_identical_to_vllm_alone(vllm_bench):
     report, _ = vllm_bench
-    assert report["backend"] == "vllm" and report["temperature"] == 0 and report["num_prompts"] == 8
+    assert report["backend"] == "vllm" and report["temperature"] == 0
     row = drafter_row(report)
     counters = row["engine_counters"]
     # The drafter really ran: vLLM counted drafts and accepted some of them.
@@ -99,6 +105,7 @@ def test_vllm_accept_length_is_within_3_percent_of_the_reference_engines(vllm_be
     report, _ = vllm_bench
     vllm_row, reference_row = drafter_row(report), drafter_row(reference_bench)
     assert reference_bench["backend"] == "reference" and reference_row["lossless"] is True
+    assert vllm_row["engine_counters"]["drafts"] >= MIN_DRAFTS, f"too few drafts to resolve 3%: {vllm_row}"
     vllm_accept, reference_accept = vllm_row["accept_length"], reference_row["accept_length"]
     gap = abs(vllm_accept - reference_accept) / reference_accept
     assert gap <= MAX_ACCEPT_LENGTH_GAP, (

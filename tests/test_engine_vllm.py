@@ -4,9 +4,8 @@ Everything goes through `draftline bench --engine vllm --drafter DIR` (the CLI, 
 prompts, one round at concurrency 1: the bench starts one vLLM server per role (target alone, then target + the
 drafter's EAGLE-3 export) and checks losslessness against the target alone; its accept length comes from vLLM's own
 counters (output tokens / drafts). `draftline bench` with the reference engine runs the same prompts with the same
-drafter. With the export's aux ids read one layer too low (the SGLang ids as vLLM's top-level key) vLLM measured
-2.714 against 2.868 here (-5.4%), so the 3% check catches that off-by-one. Two vLLM start-ups (about 35 s each with
---enforce-eager on an idle 2-core machine), so marked slow.
+drafter. The 3% check catches the aux-id off-by-one (the SGLang ids as vLLM's top-level key moved vLLM's accept length
+by -5.4% on these prompts: benchmarks/RESULTS.md). Two vLLM start-ups, so marked slow.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def main() -> int:
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny-cpu.yaml"))
     parser.add_argument("--drafter", help="drafter export dir (default: fit one quickly, cached)")
     parser.add_argument("--fit-steps", type=int, default=300)
-    parser.add_argument("--threads", type=int, default=1, help="threads of each engine (engine.cpu_threads, engine.vllm.cpu_threads)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads of each engine (engine.cpu_threads, engine.vllm.cpu_threads)")
     parser.add_argument("--rounds", type=int, default=3, help="bench.rounds per engine: paired, interleaved rounds")
     parser.add_argument("--openmp", choices=[*OPENMP_SETTINGS, "both"], default="both", help="vLLM's OpenMP runtime")
     parser.add_argument("--compile", action="store_true", help="let vLLM torch.compile (no --enforce-eager)")
@@ -95,8 +96,8 @@ def main() -> int:
         "vllm_enforce_eager": not args.compile,
         "side_by_side": table,
         "runs": runs,
-        "machine": {"cpu_count": os.cpu_count(), "threads_per_engine": args.threads, "python": platform.python_version(),
-                    "uptime_start": uptime_start, "uptime_end": uptime()},  # fmt: skip
+        "machine": {"cpu_count": os.cpu_count(), "threads_per_engine": args.threads,
+                    "python": platform.python_version(), "uptime_start": uptime_start, "uptime_end": uptime()},
     }
     print(format_side_by_side(table))
     atomic_write_json(args.out, out)
@@ -122,11 +123,13 @@ def side_by_side(name: str, report: dict) -> list[dict]:
         counters = eagle["engine_counters"] or {}
         out.append({
             "engine": name, "intel_openmp_preloaded": report["intel_openmp_preloaded"], "concurrency": concurrency,
-            "target_alone_tokens_per_s": alone["output_tokens_per_s"], "eagle3_tokens_per_s": eagle["output_tokens_per_s"],
+            "target_alone_tokens_per_s": alone["output_tokens_per_s"],
+            "eagle3_tokens_per_s": eagle["output_tokens_per_s"],
             "speedup": eagle["speedup"], "speedup_ci": eagle["speedup_ci"], "accept_length": eagle["accept_length"],
             "lossless": eagle["lossless"], "output_tokens": eagle["output_tokens"],
             "drafts": counters.get("drafts"), "draft_tokens": counters.get("draft_tokens"),
-            "accepted_tokens": counters.get("accepted_tokens"), "vllm_mean_accept_length": counters.get("mean_accept_length"),
+            "accepted_tokens": counters.get("accepted_tokens"),
+            "vllm_mean_accept_length": counters.get("mean_accept_length"),
             "acceptance_per_position": counters.get("acceptance_per_position"),
             "load_avg_1m": eagle["load_avg_1m"],
         })  # fmt: skip

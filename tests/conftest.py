@@ -17,7 +17,8 @@ SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16"]
 # vLLM's CPU build in tests: --enforce-eager skips torch.compile (minutes of start-up), one OpenMP thread per server
 # (the servers share a 2-core machine).
 VLLM_TEST_OVERRIDES = [
-    "engine.backend=vllm", "engine.vllm.enforce_eager=true", "engine.vllm.cpu_threads=1", "engine.vllm.max_model_len=512",
+    "engine.backend=vllm", "engine.vllm.enforce_eager=true", "engine.vllm.cpu_threads=1",
+    "engine.vllm.max_model_len=512",
 ]
 
 

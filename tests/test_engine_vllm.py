@@ -65,7 +65,8 @@ def vllm_bench(tmp_path_factory, tiny_target_dir, fitted_drafter_dir):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        report = bench_through_cli(tmp_path_factory.mktemp("vllm"), "vllm", fitted_drafter_dir, ["--engine", "vllm"], vllm_overrides)
+        out_dir = tmp_path_factory.mktemp("vllm")
+        report = bench_through_cli(out_dir, "vllm", fitted_drafter_dir, ["--engine", "vllm"], vllm_overrides)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -40,11 +40,7 @@ def twin_config(name: str, extra: list[str] | None = None):
     return load_config(REPO / "configs" / "twins" / f"{name}.yaml", [f"data_dir={data_dir}", *(extra or [])])
 
 
-# Twins whose bootstrap and tests have been run (issue 12); the MoE and MLA twins are not run yet.
-TWINS_RUN = ["llama3.1-8b-4xgpu"]
-
-
-@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) for t in TWINS_RUN])
+@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) for t in TWINS])
 def twin(request):
     cfg = twin_config(request.param)
     return request.param, cfg, bootstrap_target(cfg)

@@ -142,3 +142,27 @@ def test_aux_layer_rule_is_the_productions(twin):
         assert abs(twin_ratio - ratio) < 0.01, (twin_ratio, ratio)
         assert production.engine.speculative == cfg.engine.speculative
     assert len(default_aux_layer_ids(num_layers)) == len(set(default_aux_layer_ids(num_layers)))
+
+
+# The pipeline per twin at test size: the twin's target (built above, cached), a short training run and a two-round gate.
+TWIN_PIPELINE = ["train.max_steps=120", "gate.min_speedup=0.5", "gate.min_rounds=2", "gate.max_rounds=2",
+                 "bench.num_prompts=6", "bench.max_new_tokens=24"]  # fmt: skip
+
+
+def test_pipeline_runs_on_the_twin_and_the_gate_records_its_figures(twin, ray_cluster):
+    """bootstrap -> prepare -> extract (Ray) -> train (Ray Train + DeepSpeed) -> gate (MLflow registry) -> promote."""
+    from draftline.pipeline import run_pipeline
+
+    name, _, target_dir = twin
+    cfg = twin_config(name, TWIN_PIPELINE)
+    summary = run_pipeline(cfg, from_stage="bootstrap", until="promote")
+    assert all(stage["status"] == "ran" for stage in summary.values()), summary
+    assert summary["bootstrap"]["outputs"]["target_dir"] == str(target_dir)
+    val = summary["train"]["outputs"]["metrics"]
+    assert val["val_acc_0"] >= 0.5 and val["val_est_accept_len"] >= 1.5, val
+    gate = summary["gate"]["outputs"]
+    assert gate["passed"] and gate["verdict"] == "passed", gate["reasons"]
+    assert gate["bench"]["lossless"] is True and gate["bench"]["accept_length"] > 1.5, gate["bench"]
+    low, high = gate["intervals"]["speedup@1"]
+    assert low <= gate["bench"]["speedup"] <= high
+    assert summary["promote"]["outputs"] == {"promoted": True, "version": gate["version"]}

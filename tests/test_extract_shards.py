@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -217,3 +220,35 @@ def test_encoding_the_same_tensors_gives_the_same_bytes(target, val_samples):
     blobs = {encode_shard(samples, [0, 1, 2], dict(reversed(metadata.items())) if i % 2 else metadata)[0]
              for i in range(20)}
     assert len(blobs) == 1
+
+
+@pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_a_full_disk_stops_the_worker_at_once_with_one_clear_line(target, val_samples, tmp_path, monkeypatch,
+                                                                   error_number):
+    """Fault 13: ENOSPC was raised out of the worker, so Ray Train retried the group 3 times (61 s) to fail the same
+    way, and the message was buried in a traceback. Now the worker stops at the first failed write and returns it."""
+    split_tokens = SplitTokens.from_samples(val_samples)
+    plan = {**_plan(target), "samples_per_shard": 2}  # 6 shards
+    storage = Storage(tmp_path / "val")
+    write_bytes, computed = Storage._write_bytes, []
+
+    def disk_fills_at_the_second_shard(self, name, data):
+        if name == shard_file_name(1):
+            raise OSError(error_number, os.strerror(error_number))
+        write_bytes(self, name, data)
+
+    def counting_extract_shard(*args, **kwargs):
+        computed.append(args[2])
+        return extract_shard(*args, **kwargs)
+
+    extract_shard = worker_module.extract_shard
+    monkeypatch.setattr(Storage, "_write_bytes", disk_fills_at_the_second_shard)
+    monkeypatch.setattr(worker_module, "extract_shard", counting_extract_shard)
+    counts = run_worker_shards(target.model, split_tokens, storage, 0, 1, plan)
+
+    assert counts["written"] == 1 and computed == [0, 1, 2], "the worker must stop, not go on to the other shards"
+    message = counts["storage_full"]
+    assert "\n" not in message
+    assert message.startswith(f"cannot write {storage.uri(shard_file_name(1))}: {os.strerror(error_number)} (")
+    assert re.search(r"\(\d+\.\d MB free there\); free space or point data_dir \(or extract.storage_uri\)", message)
+    assert read_shard_record(storage, 0) is not None and read_shard_record(storage, 1) is None

@@ -311,6 +311,7 @@ def _cmd(args) -> int:
 
     # As this run was started, so the command can be pasted as is (`.venv/bin/draftline` after `make demo`).
     program = sys.argv[0] if os.path.basename(sys.argv[0]) == "draftline" else "draftline"
+    from draftline.extract.storage import StorageFullError
     from draftline.registry import RegistryError
     from draftline.serving.control import ServingError
 
@@ -318,7 +319,7 @@ def _cmd(args) -> int:
         summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until,
                                start_command=start_command(program, args.config, list(args.overrides or []),
                                                            local=not configured_ray_address(cfg)))
-    except (RegistryError, ServingError) as err:
+    except (RegistryError, ServingError, StorageFullError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if args.serve and "serve" in summary:

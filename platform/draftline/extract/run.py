@@ -29,7 +29,7 @@ from draftline.extract.shards import (
     stored_bytes_per_token,
     write_manifest,
 )
-from draftline.extract.storage import Storage, is_uri
+from draftline.extract.storage import Storage, StorageFullError, is_uri
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
 from draftline.utils import read_json, stable_hash
 
@@ -244,6 +244,19 @@ class _ProgressWatcher:
         self.progress.stop()
 
 
+class StorageFullSink:
+    """A Ray actor the workers tell about a full disk (see run_worker_shards); the driver raises the first message."""
+
+    def __init__(self):
+        self._messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self._messages.append(message)
+
+    def messages(self) -> list[str]:
+        return self._messages
+
+
 def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], run_name: str) -> None:
     """One Ray Train worker group for all splits (start-up dominates small runs; pay it once)."""
     import ray
@@ -259,6 +272,7 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
         {"split": job.split, "location": job.storage.location, "split_tokens_ref": ray.put(job.split_tokens)}
         for job in jobs
     ]
+    storage_full_sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
     trainer = TorchTrainer(
         extract_loop_per_worker,
         train_loop_config={
@@ -266,6 +280,7 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
             "plan": plan,
             "splits": splits,
             "fault_injection": _fault_injection_from_env(),
+            "storage_full_sink": storage_full_sink,
         },
         scaling_config=ScalingConfig(
             num_workers=cfg.extract.num_workers, use_gpu=worker_gpu, resources_per_worker=resources_per_worker
@@ -276,14 +291,21 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
             failure_config=FailureConfig(max_failures=cfg.extract.max_failures),
         ),
     )
+    failure: Exception | None = None
     try:
         trainer.fit()
     except Exception as err:
+        failure = err
+    storage_full = ray.get(storage_full_sink.messages.remote())
+    ray.kill(storage_full_sink)
+    if storage_full:  # the cause, even when another worker then failed too
+        raise StorageFullError(storage_full[0]) from None
+    if failure is not None:
         locations = ", ".join(job.storage.location for job in jobs)
         raise RuntimeError(
-            f"extraction workers failed more than extract.max_failures={cfg.extract.max_failures} times ({err}). "
+            f"extraction workers failed more than extract.max_failures={cfg.extract.max_failures} times ({failure}). "
             f"Complete shards in {locations} are kept: fix the cause and rerun to resume"
-        ) from err
+        ) from failure
 
 
 def _finish_split(

@@ -26,7 +26,7 @@ from draftline.extract.shards import (
     shards_of_worker,
     write_shard,
 )
-from draftline.extract.storage import Storage
+from draftline.extract.storage import Storage, StorageFullError
 from draftline.target.capture import capture_aux_hidden
 from draftline.target.stages import PipelinedTarget
 
@@ -162,39 +162,46 @@ def run_worker_shards(
     """Write every shard this rank owns that is not already complete. Returns counts for the log.
 
     Checksumming and writing shard k (I/O, GIL released) overlap with the forward passes of shard k+1; at most one
-    write is in flight, so memory stays at two shards.
+    write is in flight, so memory stays at two shards. A full disk (or quota, or read-only file system) stops the
+    worker at the first failed write and comes back as "storage_full", not raised: Ray Train would restart the worker
+    group extract.max_failures times to fail the same way.
     """
     total_shards = num_shards(len(split_tokens), plan["samples_per_shard"])
-    written = skipped = 0
+    counts = {"rank": rank, "written": 0, "skipped": 0}
     pending: Future | None = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
-        for shard_index in shards_of_worker(rank, world_size, total_shards):
-            expected = len(shard_sample_range(shard_index, len(split_tokens), plan["samples_per_shard"]))
-            if complete_shard_record(storage, shard_index, expected) is not None:
-                skipped += 1
-                continue
-            shard = extract_shard(
-                model,
-                split_tokens,
-                shard_index,
-                plan["samples_per_shard"],
-                plan["aux_layer_ids"],
-                plan["batch_size"],
-                plan["pad_id"],
-                TORCH_DTYPES[plan["dtype"]],
-                plan["shard_metadata"],
-                device,
-            )
+
+    def wait_for_write() -> None:
+        pending.result()
+        counts["written"] += 1
+        _maybe_inject_fault(fault_injection, counts["written"])
+
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+            for shard_index in shards_of_worker(rank, world_size, total_shards):
+                expected = len(shard_sample_range(shard_index, len(split_tokens), plan["samples_per_shard"]))
+                if complete_shard_record(storage, shard_index, expected) is not None:
+                    counts["skipped"] += 1
+                    continue
+                shard = extract_shard(
+                    model,
+                    split_tokens,
+                    shard_index,
+                    plan["samples_per_shard"],
+                    plan["aux_layer_ids"],
+                    plan["batch_size"],
+                    plan["pad_id"],
+                    TORCH_DTYPES[plan["dtype"]],
+                    plan["shard_metadata"],
+                    device,
+                )
+                if pending is not None:
+                    wait_for_write()
+                pending = writer.submit(write_shard, storage, shard)
             if pending is not None:
-                pending.result()
-                written += 1
-                _maybe_inject_fault(fault_injection, written)
-            pending = writer.submit(write_shard, storage, shard)
-        if pending is not None:
-            pending.result()
-            written += 1
-            _maybe_inject_fault(fault_injection, written)
-    return {"rank": rank, "written": written, "skipped": skipped}
+                wait_for_write()
+    except StorageFullError as err:
+        counts["storage_full"] = str(err)
+    return counts
 
 
 def _maybe_inject_fault(fault_injection: dict | None, shards_written: int) -> None:
@@ -261,3 +268,7 @@ def extract_loop_per_worker(loop_config: dict) -> None:
             f"{counts['skipped']} complete ones in {time.perf_counter() - started:.1f} s",
             flush=True,
         )
+        if "storage_full" in counts:
+            # Returning (not raising) ends this worker without a Ray Train retry; the driver raises the message.
+            ray.get(loop_config["storage_full_sink"].add.remote(counts["storage_full"]))
+            return

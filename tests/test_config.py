@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from draftline.config import ConfigError, load_config
+from draftline.config import ConfigError, check_data_dir, load_config
 from conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -102,6 +103,31 @@ def test_data_dir_that_is_a_file_or_unwritable_fails_before_any_stage(tmp_path, 
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"data_dir={data_dir}" in out.stderr and "set data_dir to a directory you can write" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc and /sys")
+@pytest.mark.parametrize("data_dir", ["/proc/draftline-data", "/sys/draftline-data/below"])
+def test_data_dir_where_nothing_can_be_created_is_refused_even_for_root(data_dir):
+    """Fault 9: the permission-bit check let root through to places where no directory can be made (read-only
+    mounts, /proc, /sys); the run failed after the bootstrap instead."""
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", [f"data_dir={data_dir}"])
+    with pytest.raises(ConfigError, match=rf"^data_dir={data_dir} .*: cannot create anything in /(proc|sys) .*; set "
+                                          r"data_dir to a directory you can write"):
+        check_data_dir(cfg)
+
+
+def test_data_dir_check_leaves_nothing_behind(tmp_path):
+    check_data_dir(load_config(REPO / "configs" / "tiny-cpu.yaml", [f"data_dir={tmp_path / 'new' / 'data'}"]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nothing_shipped_points_users_at_a_design_md_they_do_not_have():
+    """Fault 9: code and error messages cited DESIGN.md, which is not part of the project; docs/ is."""
+    folders = ("platform", "serve", "jobs", "configs", "docs", "scripts")
+    shipped = [p for folder in folders for p in (REPO / folder).rglob("*") if p.suffix in {".py", ".md", ".yaml", ".sh"}]
+    assert len(shipped) > 50
+    citing = [str(p.relative_to(REPO)) for p in shipped + [REPO / "README.md"] if "DESIGN.md" in p.read_text()]
+    assert citing == []
 
 
 def test_mlflow_params_never_carry_credentials_from_a_uri():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -407,7 +408,7 @@ class DraftlineConfig(Strict):
     serve: ServeConfig = ServeConfig()
     ray: RayConfig = RayConfig()
 
-    # Derived locations (DESIGN.md "Data dir").
+    # Derived locations (docs/pipeline.md, "Data dir").
     def data_path(self, *parts: str) -> Path:
         return Path(self.data_dir).expanduser().resolve().joinpath(*parts)
 
@@ -542,7 +543,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 def check_data_dir(config: DraftlineConfig) -> Path:
     """Fail in a second, not after a 4-minute bootstrap: data_dir must be (or be creatable as) a writable directory.
-    Creates nothing (a dry run must leave no trace)."""
+    Leaves nothing behind (a dry run must leave no trace): the write probe is an empty directory, removed at once."""
     path = config.data_path()
     fix = "set data_dir to a directory you can write (e.g. data_dir=./.draftline)"
     existing = path
@@ -551,8 +552,13 @@ def check_data_dir(config: DraftlineConfig) -> Path:
     if not existing.is_dir():
         what = "is a file" if existing == path else f"is below {existing}, which is a file"
         raise ConfigError(f"data_dir={config.data_dir} ({path}) {what}, not a directory; {fix}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"data_dir={config.data_dir} ({path}): {existing} is not writable by this user; {fix}")
+    # Permission bits alone say yes to root, on a read-only mount and in /proc or /sys: try it.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".draftline-write-check-", dir=existing))
+    except OSError as err:
+        raise ConfigError(
+            f"data_dir={config.data_dir} ({path}): cannot create anything in {existing} ({err.strerror}); {fix}"
+        ) from None
     return path
 
 

@@ -1,6 +1,6 @@
 """Model registry aliases: resolve `champion`, promote a gated version, roll back to `previous`.
 
-Rules (DESIGN.md, stage 7):
+Rules (docs/serving.md, "Rollout on promotion"):
 - `promote(version)` only accepts a version tagged `gate=passed` (written by `draftline gate`) whose files verify
   (`verify_export`); it moves `champion` to it and `previous` to the old champion.
 - `rollback()` moves `champion` back to `previous` and removes `previous` (a second rollback needs a new promotion,

@@ -1,8 +1,12 @@
-"""A worker killed mid-run: Ray Train restarts the group, the run resumes, every sample ends up exactly once."""
+"""A worker killed mid-run: Ray Train restarts the group, the run resumes, every sample ends up exactly once.
+A full disk: no restart, one clear line."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import pytest
 from draftline.data.prepare import load_split
 from draftline.extract.run import FAULT_AFTER_SHARDS_ENV, FAULT_MARKER_ENV, extract_with_stats
 from draftline.extract.shards import HiddenStateShards
+from draftline.extract.storage import StorageFullError
 from tests.conftest import make_test_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -48,3 +53,46 @@ def test_killed_worker_resumes_and_every_sample_is_written_once(ray_cluster, tin
     assert len(before_kill) >= SHARDS_BEFORE_DEATH
     assert after_kill, "the retried worker group wrote nothing"
     assert not list(split_dir.glob(".*.tmp")), "temp files of the killed writer must be cleaned up"
+
+
+@pytest.fixture
+def one_mb_tmpfs(tmp_path):
+    """A real 1 MB file system, so the workers hit a real ENOSPC (needs root with CAP_SYS_ADMIN, else skipped; the
+    in-process test in tests/test_extract_shards.py covers the worker without it)."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def _train_worker_actors() -> int:
+    import ray
+    from ray.util.state import list_actors
+
+    return len(list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000,
+                           filters=[("class_name", "=", "RayTrainWorker")]))
+
+
+def test_a_full_disk_fails_at_once_without_retries(ray_cluster, tiny_dataset_dir, one_mb_tmpfs):
+    """Fault 13: ENOSPC made Ray Train retry the group extract.max_failures=3 times (61 s), the message buried in a
+    traceback. Now one worker group, one line naming the file, the free space and the fix."""
+    cfg = make_test_config(extra=[
+        f"extract.storage_uri={one_mb_tmpfs / 'hidden'}",
+        "extract.num_workers=1",
+        "extract.samples_per_shard=8",
+        "extract.max_failures=3",
+    ])
+    workers_before = _train_worker_actors()
+    started = time.monotonic()
+    with pytest.raises(StorageFullError) as raised:
+        extract_with_stats(cfg, tiny_dataset_dir, split="train")
+    wall_s = time.monotonic() - started
+    print(f"full disk reported after {wall_s:.1f} s: {raised.value}")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert re.match(rf"cannot write {one_mb_tmpfs}/hidden/\w+/train/shard-\d+\.safetensors: No space left on device "
+                    r"\(\d+\.\d MB free there\); free space or point data_dir \(or extract.storage_uri\)", message)
+    assert _train_worker_actors() - workers_before == 1, "Ray Train started the worker group more than once"

@@ -1,4 +1,4 @@
-"""Hidden-state shards: the file contract between extract (writer) and train (reader). See DESIGN.md.
+"""Hidden-state shards: the file contract between extract (writer) and train (reader). See docs/extract.md.
 
 A split directory holds `shard-00000.safetensors`, ... and `manifest.json`. Shard i holds the fixed sample range
 [i * samples_per_shard, (i + 1) * samples_per_shard) of the split, concatenated along tokens, with `offsets` to cut

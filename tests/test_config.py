@@ -108,8 +108,7 @@ def test_data_dir_that_is_a_file_or_unwritable_fails_before_any_stage(tmp_path, 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc and /sys")
 @pytest.mark.parametrize("data_dir", ["/proc/draftline-data", "/sys/draftline-data/below"])
 def test_data_dir_where_nothing_can_be_created_is_refused_even_for_root(data_dir):
-    """Fault 9: the permission-bit check let root through to places where no directory can be made (read-only
-    mounts, /proc, /sys); the run failed after the bootstrap instead."""
+    """Fault 9: the permission-bit check let root through to places where no directory can be made (/proc, /sys)."""
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", [f"data_dir={data_dir}"])
     with pytest.raises(ConfigError, match=rf"^data_dir={data_dir} .*: cannot create anything in /(proc|sys) .*; set "
                                           r"data_dir to a directory you can write"):

@@ -552,7 +552,7 @@ def check_data_dir(config: DraftlineConfig) -> Path:
     if not existing.is_dir():
         what = "is a file" if existing == path else f"is below {existing}, which is a file"
         raise ConfigError(f"data_dir={config.data_dir} ({path}) {what}, not a directory; {fix}")
-    # Permission bits alone say yes to root, on a read-only mount and in /proc or /sys: try it.
+    # Permission bits say yes to root where nothing can be created (/proc, /sys, some network mounts): try it.
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".draftline-write-check-", dir=existing))
     except OSError as err:

@@ -6,14 +6,16 @@
 
 Each twin runs `run_pipeline(cfg, from_stage="bootstrap", until="promote")` on a real local Ray cluster in its own data
 dir (--data-dir/<twin>), so nothing is skipped from an earlier run except the twin's trained target, which bootstrap
-builds once and caches by hash (its wall time then reads as a cache hit; delete the data dir for a cold build). The row
+builds once and caches by hash (the bootstrap column is that cold build's time, from the target's bootstrap.json). The row
 holds the train stage's validation figures (val acc_0, estimated accept length), the gate's bench (measured accept
-length, speedup at concurrency 1, lossless) and each stage's wall time, side by side in one run on this machine.
+length, speedup at concurrency 1, lossless), how varied the twin's own replies are (distinct replies of all; a
+degenerate twin makes acceptance trivially high) and each stage's wall time, side by side in one run on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -29,6 +31,14 @@ TWINS = sorted(p.stem for p in (REPO / "configs" / "twins").glob("*.yaml"))
 STAGES = ["bootstrap", "prepare", "extract", "train", "gate", "promote"]
 
 
+def replies(target_dir: str) -> dict:
+    """How varied the twin's own replies are (a twin that answers "the the the" makes acceptance trivially high)."""
+    texts = [json.loads(line)["messages"][-1]["content"] for line in open(Path(target_dir) / "conversations.jsonl")]
+    words = [t.split() for t in texts]
+    return {"replies": len(texts), "distinct_replies": len(set(texts)),
+            "distinct_word_ratio": sum(len(set(w)) / max(1, len(w)) for w in words) / max(1, len(words))}  # fmt: skip
+
+
 def row(name: str, summary: dict) -> dict:
     val = summary["train"]["outputs"]["metrics"]
     gate = summary["gate"]["outputs"]
@@ -41,17 +51,21 @@ def row(name: str, summary: dict) -> dict:
         "speedup_interval": gate["intervals"]["speedup@1"],
         "lossless": gate["bench"]["lossless"],
         "gate": gate["verdict"],
-        "seconds": {stage: round(summary[stage]["seconds"], 1) for stage in STAGES if stage in summary},
+        **replies(summary["bootstrap"]["outputs"]["target_dir"]),
+        # bootstrap: the twin's cold build (bootstrap.json), whether or not this run found it cached
+        "seconds": {**{stage: round(summary[stage]["seconds"], 1) for stage in STAGES},
+                    "bootstrap": summary["bootstrap"]["outputs"]["build_seconds"]},
+        "heldout_perplexity": summary["bootstrap"]["outputs"]["heldout_perplexity"],
     }
 
 
 def table(rows: list[dict]) -> str:
-    head = ["twin", "val acc_0", "est accept", "measured accept", "speedup (interval)", "lossless", "gate",
+    head = ["twin", "held-out ppl", "distinct replies", "val acc_0", "est accept", "measured accept", "speedup (interval)", "lossless", "gate",
             *(f"{s} s" for s in STAGES)]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         low, high = r["speedup_interval"]
-        cells = [r["twin"], f"{r['val_acc_0']:.3f}", f"{r['val_est_accept_len']:.2f}", f"{r['accept_length']:.2f}",
+        cells = [r["twin"], f"{r['heldout_perplexity']:.1f}", f"{r['distinct_replies']}/{r['replies']}", f"{r['val_acc_0']:.3f}", f"{r['val_est_accept_len']:.2f}", f"{r['accept_length']:.2f}",
                  f"{r['speedup']:.2f} ({low:.2f}-{high:.2f})", str(r["lossless"]), r["gate"],
                  *(f"{r['seconds'].get(s, 0.0):.0f}" for s in STAGES)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

@@ -6,7 +6,7 @@
 
 Each twin runs `run_pipeline(cfg, from_stage="bootstrap", until="promote")` on a real local Ray cluster in its own data
 dir (--data-dir/<twin>), so nothing is skipped from an earlier run except the twin's trained target, which bootstrap
-builds once and caches by hash (the bootstrap column is that cold build's time, from the target's bootstrap.json). The row
+builds once and caches by hash (the bootstrap column is that cold build's time, from its bootstrap.json). The row
 holds the train stage's validation figures (val acc_0, estimated accept length), the gate's bench (measured accept
 length, speedup at concurrency 1, lossless), how varied the twin's own replies are (distinct replies of all; a
 degenerate twin makes acceptance trivially high) and each stage's wall time, side by side in one run on this machine.
@@ -60,14 +60,15 @@ def row(name: str, summary: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["twin", "held-out ppl", "distinct replies", "val acc_0", "est accept", "measured accept", "speedup (interval)", "lossless", "gate",
-            *(f"{s} s" for s in STAGES)]  # fmt: skip
+    head = ["twin", "held-out ppl", "distinct replies", "val acc_0", "est accept", "measured accept",
+            "speedup (interval)", "lossless", "gate", *(f"{s} s" for s in STAGES)]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         low, high = r["speedup_interval"]
-        cells = [r["twin"], f"{r['heldout_perplexity']:.1f}", f"{r['distinct_replies']}/{r['replies']}", f"{r['val_acc_0']:.3f}", f"{r['val_est_accept_len']:.2f}", f"{r['accept_length']:.2f}",
+        cells = [r["twin"], f"{r['heldout_perplexity']:.1f}", f"{r['distinct_replies']}/{r['replies']}",
+                 f"{r['val_acc_0']:.3f}", f"{r['val_est_accept_len']:.2f}", f"{r['accept_length']:.2f}",
                  f"{r['speedup']:.2f} ({low:.2f}-{high:.2f})", str(r["lossless"]), r["gate"],
-                 *(f"{r['seconds'].get(s, 0.0):.0f}" for s in STAGES)]  # fmt: skip
+                 *(f"{r['seconds'][s]:.0f}" for s in STAGES)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

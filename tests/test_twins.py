@@ -38,7 +38,7 @@ PRODUCTION_CONFIGS = {p.stem for p in (REPO / "configs").glob("*.yaml") if load_
 
 # Twins trained smaller than their configs (the embedded default's recipe), as TEST_OVERRIDES does for the default:
 # enough to pass the perplexity bounds below (the MoE twin needs the 300 steps: 150 left it at 103.5), in about a
-# minute each (kimi-k2.5, the slowest: 78 s); their replies are far less varied than a twin's built from its config (benchmarks/families.py).
+# minute each; their replies are far less varied than those of a twin built from its config (benchmarks/families.py).
 TWIN_TEST_OVERRIDES = [
     "target.embedded.train_steps=300", "target.embedded.train_batch_size=8", "target.embedded.train_seq_len=64",
     "target.embedded.num_conversations=160", "target.embedded.reply_max_new_tokens=32",
@@ -155,7 +155,7 @@ def test_aux_layer_rule_is_the_productions(twin):
     assert len(default_aux_layer_ids(num_layers)) == len(set(default_aux_layer_ids(num_layers)))
 
 
-# The pipeline per twin at test size: the twin's target (built above, cached), a short training run and a two-round gate.
+# The pipeline per twin at test size: the twin's target (built above, cached), short training, a two-round gate.
 TWIN_PIPELINE = ["train.max_steps=80", "gate.min_speedup=0.5", "gate.min_rounds=2", "gate.max_rounds=2",
                  *SMALL_BENCH]  # fmt: skip
 

@@ -1,42 +1,52 @@
 #!/usr/bin/env bash
-# GPU smoke test of the SGLang engine with a real server: tiny target + an exported EAGLE-3 drafter.
+# GPU smoke test: draftline's own CUDA paths, then the SGLang engine with a real server.
 #   scripts/gpu_smoke.sh [DRAFTER_EXPORT_DIR]
-# 1. makes sure an interpreter with a full SGLang (pinned) exists: $SGLANG_PYTHON, else .venv-sglang-gpu
+# 1. scripts/gpu_check.py: the reference engine (chain and tree drafts), the training objective and the export on CUDA,
+#    each against CPU on the same machine (needs torch with CUDA, transformers, pydantic, pyyaml, numpy only: no Ray,
+#    DeepSpeed, MLflow or SGLang), on the test target and fitted drafter in $DRAFTLINE_TEST_DATA_DIR (built when absent);
+# 2. makes sure an interpreter with a full SGLang (pinned) exists: $SGLANG_PYTHON, else .venv-sglang-gpu
 #    (created with `pip install sglang[all]==$SGLANG_VERSION` when missing: needs the network);
-# 2. bootstraps the tiny target (cached) and uses DRAFTER_EXPORT_DIR, or fits a quick drafter in-process;
-# 3. launches `python -m sglang.launch_server` through SGLangEngine (preflighted command, /health wait),
+# 3. bootstraps the tiny target (cached) and uses DRAFTER_EXPORT_DIR, or fits a quick drafter in-process;
+# 4. launches `python -m sglang.launch_server` through SGLangEngine (preflighted command, /health wait),
 #    sends a few requests, checks spec stats, then runs the bench (target-only vs EAGLE-3 on the same server type).
-# Prints PASS or FAIL (with the reason) as its last line; the whole run is capped at 8 minutes.
+# Last line: PASS, FAIL (with the reason), or INCOMPLETE (exit 2: part 1 passed, SGLang could not be installed or
+# run there, and why). The whole run is capped at 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
-DRAFTLINE_PYTHON="${DRAFTLINE_PYTHON:-.venv/bin/python}"
+if [ -z "${DRAFTLINE_PYTHON:-}" ]; then
+    DRAFTLINE_PYTHON=.venv/bin/python
+    [ -x "$DRAFTLINE_PYTHON" ] || DRAFTLINE_PYTHON=python3  # a GPU image's own torch (part 1 needs no more)
+fi
 SGLANG_PYTHON="${SGLANG_PYTHON:-.venv-sglang-gpu/bin/python}"
 DRAFTER_DIR="${1:-}"
 TIME_LIMIT_S="${GPU_SMOKE_TIME_LIMIT_S:-470}"
 started_s=$(date +%s)
+export PYTHONPATH="platform:tests${PYTHONPATH:+:$PYTHONPATH}"
 
 fail() { echo "FAIL: $*"; exit 1; }
+incomplete() { echo "INCOMPLETE: draftline's CUDA paths passed (gpu_check.json); SGLang serving not run: $*"; exit 2; }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader \
     || fail "no nvidia-smi: this smoke test needs a GPU machine"
-[ -x "$DRAFTLINE_PYTHON" ] || fail "$DRAFTLINE_PYTHON missing: create the draftline venv first (see README)"
+"$DRAFTLINE_PYTHON" scripts/gpu_check.py "${DRAFTLINE_TEST_DATA_DIR:-.draftline-test}" gpu_check.json \
+    || fail "draftline's own CUDA paths (scripts/gpu_check.py, figures in gpu_check.json)"
 
 if ! "$SGLANG_PYTHON" -c "import sglang, sglang.srt.entrypoints.http_server" 2>/dev/null; then
     echo "[gpu-smoke] installing sglang[all]==$SGLANG_VERSION into .venv-sglang-gpu"
-    python3 -m venv .venv-sglang-gpu || fail "cannot create .venv-sglang-gpu"
-    timeout 300 .venv-sglang-gpu/bin/pip install --quiet "sglang[all]==$SGLANG_VERSION" \
-        || fail "pip install sglang[all]==$SGLANG_VERSION failed (no network? set SGLANG_PYTHON to an existing install)"
+    python3 -m venv .venv-sglang-gpu || incomplete "cannot create .venv-sglang-gpu"
+    timeout 300 .venv-sglang-gpu/bin/pip install --quiet --retries 0 --timeout 10 "sglang[all]==$SGLANG_VERSION" \
+        || incomplete "pip install sglang[all]==$SGLANG_VERSION failed (no network? set SGLANG_PYTHON to an install)"
     SGLANG_PYTHON=.venv-sglang-gpu/bin/python
 fi
-installed=$("$SGLANG_PYTHON" -c "import sglang; print(sglang.__version__)") || fail "sglang does not import"
+installed=$("$SGLANG_PYTHON" -c "import sglang; print(sglang.__version__)") || incomplete "sglang does not import"
 [ "$installed" = "$SGLANG_VERSION" ] || echo "[gpu-smoke] warning: sglang $installed installed, $SGLANG_VERSION pinned"
 
 left_s=$(( TIME_LIMIT_S - ($(date +%s) - started_s) ))
 [ "$left_s" -gt 60 ] || fail "install used the time budget"
 
-PYTHONPATH=platform timeout "$left_s" "$DRAFTLINE_PYTHON" - "$SGLANG_PYTHON" "$installed" "$DRAFTER_DIR" <<'PY'
+timeout "$left_s" "$DRAFTLINE_PYTHON" - "$SGLANG_PYTHON" "$installed" "$DRAFTER_DIR" <<'PY'
 import asyncio
 import json
 import sys

@@ -566,7 +566,8 @@ class ReferenceEngine:
         allowed = torch.ones(width, width, dtype=torch.bool).tril()[None] & in_prompt[:, None, :]  # key <= query, real
         positions = torch.arange(width)[None].expand(len(sequences), -1)
         caches = Caches()
-        caches.target.add(DynamicCache(config=self.model.config), torch.zeros(len(sequences), 0, dtype=torch.bool))
+        no_slots = torch.zeros(len(sequences), 0, dtype=torch.bool, device=self.device)
+        caches.target.add(DynamicCache(config=self.model.config), no_slots)
         logits, aux = caches.target.forward(
             self.model, ids.to(self.device), positions.to(self.device), allowed.to(self.device), self._aux_layer_ids()
         )

@@ -12,7 +12,10 @@ first). Three checks, each on CPU and CUDA on the same machine, side by side:
 2. the training objective exactly as the training worker builds it (`TTTObjective`, `objective_inputs`, `collate`,
    `TargetHead`, `build_drafter`) on inputs captured from the target: the same seeded steps on CPU fp32, CUDA fp32,
    and the step-0 loss and gradient in bf16 (as DeepSpeed's bf16 engine runs the forward);
-3. the export of drafter weights that live on the GPU, loaded back on CPU (the path a GPU-trained drafter takes).
+3. the export of drafter weights that live on the GPU, loaded back on CPU (the path a GPU-trained drafter takes);
+4. where DeepSpeed imports: the same steps through `deepspeed.initialize` with the production config's precision and
+   ZeRO stage (configs/llama3.1-8b-4xgpu.yaml: bf16, ZeRO-2; one rank, nccl on CUDA), against the fp32 run, then the
+   worker's checkpoint of the drafter (`save_drafter_weights`) exported and loaded back.
 
 Prints one line per figure and PASS or FAIL (with the reasons) as its last line; writes every figure to OUT_JSON.
 """
@@ -36,6 +39,7 @@ GPU = os.environ.get("DRAFTLINE_GPU_CHECK_DEVICE", "cuda")
 
 TRAIN_STEPS = 60
 TRAIN_SAMPLES = 64
+PRODUCTION_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "llama3.1-8b-4xgpu.yaml"
 
 
 def bench(data_dir: str, drafter_dir: Path, device: str, extra: list[str], temperature: float) -> dict:
@@ -92,36 +96,54 @@ def captured_samples(cfg, target_dir: Path, dataset_dir: Path) -> tuple:
     return samples, aux_ids, target.model.config
 
 
-def objective_run(cfg, samples, head_cpu, d2t, t2d, drafter_config, device: str, dtype, steps: int) -> dict:
+def objective_run(cfg, samples, head_cpu, d2t, t2d, drafter_config, device: str, dtype, steps: int,
+                  deepspeed_train=None) -> dict:
+    """`steps` seeded AdamW steps (constant lr) of the training worker's objective; with `deepspeed_train` (a
+    TrainConfig) through DeepSpeed's engine with that config's precision and ZeRO stage, as the worker runs it."""
     from draftline.train.data import collate
-    from draftline.train.loop import TTTObjective, build_drafter, objective_inputs
+    from draftline.train.loop import TTTObjective, build_drafter, deepspeed_config, objective_inputs
 
     torch.manual_seed(cfg.seed)
     head = head_cpu.to(device, dtype)
-    drafter = build_drafter({"drafter_config": drafter_config.to_dict()}, head_cpu, d2t, t2d).to(device, dtype)
+    drafter = build_drafter({"drafter_config": drafter_config.to_dict()}, head_cpu, d2t, t2d)
+    drafter = drafter.to(device) if deepspeed_train else drafter.to(device, dtype)  # DeepSpeed casts it itself
     train = cfg.train
     objective = TTTObjective(drafter, train.ttt_steps, train.ttt_decay, train.loss, train.activation_checkpointing)
     optimizer = torch.optim.AdamW(objective.parameters(), lr=train.lr, betas=(0.9, 0.95))
+    engine = None
+    if deepspeed_train is not None:
+        import deepspeed
+
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=objective, optimizer=optimizer, config=deepspeed_config(deepspeed_train)
+        )
     losses, grad_norm, step_s = [], None, []
     generator = torch.Generator().manual_seed(cfg.seed)
     for step in range(steps):
         indices = torch.randint(len(samples), (train.micro_batch_size,), generator=generator).tolist()
         batch = collate([samples[i] for i in indices]).to(device, dtype)
         started = time.perf_counter()
-        loss, metrics = objective(*objective_inputs(batch, head, t2d.to(device), dtype))
-        optimizer.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(objective.parameters(), train.grad_clip)
-        if step == 0:
-            grad_norm = float(norm)
-            grads = [p.grad.float().flatten().cpu() for p in objective.parameters() if p.grad is not None]
-            first_grads = torch.cat(grads)
-        optimizer.step()
+        if engine is not None:
+            loss, metrics = engine(*objective_inputs(batch, head, t2d.to(device), dtype))
+            engine.backward(loss)
+            engine.step()
+            first_grads = None
+        else:
+            loss, metrics = objective(*objective_inputs(batch, head, t2d.to(device), dtype))
+            optimizer.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(objective.parameters(), train.grad_clip)
+            if step == 0:
+                grad_norm = float(norm)
+                grads = [p.grad.float().flatten().cpu() for p in objective.parameters() if p.grad is not None]
+                first_grads = torch.cat(grads)
+            optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()
         step_s.append(time.perf_counter() - started)
         losses.append(float(loss.detach()))
     return {"losses": losses, "grad_norm_0": grad_norm, "first_grads": first_grads, "drafter": drafter,
+            "engine": engine,
             "median_step_ms": round(1000 * sorted(step_s)[len(step_s) // 2], 2), "acc_0_last": metrics["acc_0"]}
 
 
@@ -163,7 +185,62 @@ def training_check(cfg, target_dir: Path, dataset_dir: Path, problems: list[str]
                         f"cosine {figures['grad_cosine_0_cuda_bf16_vs_fp32']})")
     if not gpu["losses"][-1] < 0.8 * gpu["losses"][0]:
         problems.append(f"train: CUDA loss did not fall ({gpu['losses'][0]} -> {gpu['losses'][-1]})")
+    try:
+        figures["deepspeed"] = deepspeed_check(cfg, samples, head, d2t, t2d, drafter_config, gpu["losses"], problems)
+    except Exception as error:
+        import traceback
+
+        traceback.print_exc()
+        problems.append(f"deepspeed: {type(error).__name__}: {error}")
     return figures, gpu["drafter"]
+
+
+def deepspeed_check(cfg, samples, head, d2t, t2d, drafter_config, fp32_losses: list[float], problems: list[str]):
+    """The production config's DeepSpeed precision and ZeRO stage on one rank, against the fp32 run; then the
+    worker's drafter checkpoint, exported and loaded back."""
+    try:
+        import deepspeed
+    except ImportError as error:
+        print(f"[gpu-check] deepspeed not run: {error}", flush=True)
+        return {"not_run": str(error)}
+    from draftline.config import load_config
+    from draftline.drafter.export import export_from_checkpoint, load_drafter
+    from draftline.train.loop import save_drafter_weights
+    from draftline.utils import free_port
+
+    production = load_config(PRODUCTION_CONFIG).train
+    train = cfg.train.model_copy(update={"dtype": production.dtype, "zero_stage": production.zero_stage})
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed(dist_backend="nccl" if GPU == "cuda" else "gloo")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[train.dtype]
+    run = objective_run(cfg, samples, head, d2t, t2d, drafter_config, GPU, dtype, TRAIN_STEPS, deepspeed_train=train)
+    losses = run["losses"]
+    figures = {
+        "deepspeed": deepspeed.__version__, "dtype": train.dtype, "zero_stage": train.zero_stage,
+        "loss_0": losses[0], "loss_last": losses[-1], "fp32_loss_last": fp32_losses[-1],
+        "max_loss_gap_vs_fp32": max(abs(a - b) / abs(b) for a, b in zip(losses, fp32_losses)),
+        "median_step_ms": run["median_step_ms"],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        save_drafter_weights(run["engine"], Path(tmp) / "ckpt", rank=0, zero_stage=train.zero_stage)
+        export_from_checkpoint(Path(tmp) / "ckpt", Path(tmp) / "export")
+        loaded = load_drafter(Path(tmp) / "export", device=GPU)
+        hidden = torch.randn(2, 5, drafter_config.hidden_size, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            live = run["engine"].module.drafter.logits(hidden.to(GPU, dtype)).float()
+            figures["export_logit_gap"] = float((loaded.logits(hidden.to(GPU, loaded.fc.weight.dtype)).float() - live)
+                                                .abs().max())
+        figures["export_dtype"] = str(loaded.fc.weight.dtype)
+    print(f"[gpu-check] train deepspeed: {figures}", flush=True)
+    if abs(losses[0] / fp32_losses[0] - 1) > 0.02 or not losses[-1] < 0.8 * losses[0]:
+        problems.append(f"deepspeed {train.dtype} ZeRO-{train.zero_stage}: loss {losses[0]} -> {losses[-1]} "
+                        f"(fp32: {fp32_losses[0]} -> {fp32_losses[-1]})")
+    if abs(losses[-1] / fp32_losses[-1] - 1) > 0.05:
+        problems.append(f"deepspeed {train.dtype}: final loss {losses[-1]} vs fp32 {fp32_losses[-1]}")
+    if figures["export_logit_gap"] > 1e-2:
+        problems.append(f"deepspeed: exported checkpoint's logits differ by {figures['export_logit_gap']}")
+    torch.distributed.destroy_process_group()
+    return figures
 
 
 def export_check(drafter, problems: list[str]) -> dict:
@@ -220,7 +297,7 @@ def main(data_dir: str, out_json: str) -> int:
         print("FAIL: " + "; ".join(problems))
         return 1
     print("PASS: reference engine lossless on CUDA (chain and tree; sampled chains run), training objective on CUDA "
-          "equals CPU, GPU export loads on CPU")
+          "equals CPU (and through DeepSpeed where it imports), GPU export loads on CPU")
     return 0
 
 

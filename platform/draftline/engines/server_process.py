@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import json
 import logging
 import os
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from typing import AsyncIterator, Callable, Optional
+
+from draftline.engines.base import GenerationChunk
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
@@ -28,8 +31,19 @@ class ServerError(RuntimeError):
     pass
 
 
-class NotConnected(Exception):
-    """The server refused the connection before anything was sent back: the request may be sent again."""
+async def sse_events(response, error: Callable[[str], Exception], what: str) -> AsyncIterator[dict]:
+    """The JSON events of a streaming (server-sent events) response up to `data: [DONE]`. An event that holds
+    "error" raises error(message): the server gave up on the request mid-stream."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[len("data:") :].strip()
+        if payload == "[DONE]":
+            return
+        event = json.loads(payload)
+        if "error" in event:
+            raise error(f"{what} error: {event['error']}")
+        yield event
 
 
 def _die_with_parent() -> None:
@@ -172,6 +186,33 @@ class ServerProcess:
                 return
             await asyncio.sleep(0.5)
         raise ServerError(f"{self.name} did not come back within {self.startup_timeout_s} s")
+
+    async def stream(
+        self, open_stream: Callable[[], AsyncIterator[GenerationChunk]], error: Callable[[str], Exception]
+    ) -> AsyncIterator[GenerationChunk]:
+        """One request's chunks from `open_stream()` (a new HTTP stream per call), through crashes: a request the
+        server refused, or lost before any chunk reached the caller, is sent again once the watcher has relaunched
+        the server (at most max_restarts + 1 sends); one cut after a chunk was passed on, or ended before a finished
+        chunk, raises error(message), since the caller already holds part of it."""
+        import httpx
+
+        await self.wait_ready()
+        sends = self.max_restarts + 1
+        for _ in range(sends):
+            pid, streamed = self.pid, False
+            try:
+                async for chunk in open_stream():
+                    streamed = True
+                    yield chunk
+                    if chunk.finished:
+                        return
+            except httpx.TransportError as err:  # refused, or a pooled connection to a server that has just died
+                if streamed:
+                    raise error(f"{self.name} closed the stream mid-request (did the server crash?): {err!r}") from None
+                await self.wait_relaunched(pid)
+                continue
+            raise error(f"{self.name} closed the stream before the request finished (did the server crash?)")
+        raise error(f"{self.name} at {self.base_url} refused connections {sends} times")
 
     async def kill(self) -> None:
         """SIGKILL the server group as a crash would (tests; the watcher relaunches it)."""

@@ -7,13 +7,13 @@ connection pool; the server batches them. The server stops at the target's end o
 
 from __future__ import annotations
 
-import json
 import os
 from typing import AsyncIterator, Optional
 
 import httpx
 
 from draftline.engines.base import GenerationChunk, SamplingParams, SpecStats
+from draftline.engines.server_process import sse_events
 
 
 class ServerRejected(ValueError):
@@ -71,13 +71,7 @@ class OpenAIServerEngine:
                 raise error(f"{self.base_url}/completions answered {response.status_code}: {detail}")
             finish_reason = None
             completion_tokens = 0
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(response, ConnectionError, f"{self.base_url}/completions"):
                 if event.get("usage"):
                     completion_tokens = int(event["usage"].get("completion_tokens") or 0)
                 for choice in event.get("choices") or []:

@@ -16,14 +16,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
-from draftline.engines.server_process import NotConnected, ServerError, ServerProcess
+from draftline.engines.server_process import ServerError, ServerProcess, sse_events
 
 logger = logging.getLogger("draftline.sglang")
 
@@ -133,7 +132,6 @@ class SGLangEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         if self._client is None:
             raise SGLangError("SGLangEngine.generate before start(): await engine.start() first")
-        await self.server.wait_ready()
         sampling = {
             "max_new_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -142,54 +140,22 @@ class SGLangEngine:
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
         body = {"input_ids": list(prompt_ids), "sampling_params": sampling, "stream": True}
-        for _ in range(self.cfg.engine.sglang.max_restarts + 1):
-            pid = self.server.pid
-            try:
-                async for chunk in self._stream(body):
-                    yield chunk
-                return
-            except NotConnected:
-                # The server went away before anything streamed: the watcher relaunches it; send again then.
-                await self.server.wait_relaunched(pid)
-        raise SGLangError(f"SGLang at {self.base_url} refused connections {self.cfg.engine.sglang.max_restarts + 1} times")
+        async for chunk in self.server.stream(lambda: self._stream(body), SGLangError):
+            yield chunk
 
     async def _stream(self, body: dict) -> AsyncIterator[GenerationChunk]:
-        import httpx
-
-        streamed = False
-        try:
-            async with self._client.stream("POST", "/generate", json=body) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread()).decode(errors="replace")[:500]
-                    raise SGLangError(f"SGLang /generate answered {response.status_code}: {detail}")
-                async for chunk in _chunks_of(response):
-                    streamed = True
-                    yield chunk
-                    if chunk.finished:
-                        return
-        except httpx.ConnectError:
-            raise NotConnected() from None
-        except httpx.TransportError as err:
-            if not streamed:
-                # A pooled connection to a server that has just died (before the watcher saw it exit): nothing
-                # reached the caller, so the request can be sent again once the server is back.
-                raise NotConnected() from None
-            raise SGLangError(f"SGLang closed the stream mid-request (did the server crash?): {err!r}") from None
-        raise SGLangError("SGLang closed the stream before the request finished (did the server crash?)")
+        async with self._client.stream("POST", "/generate", json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:500]
+                raise SGLangError(f"SGLang /generate answered {response.status_code}: {detail}")
+            async for chunk in _chunks_of(response):
+                yield chunk
 
 
 async def _chunks_of(response) -> AsyncIterator[GenerationChunk]:
     """SSE events of a streaming /generate -> chunks holding only the new tokens and text."""
     received = text_sent = 0
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        payload = line[len("data:") :].strip()
-        if payload == "[DONE]":
-            return
-        event = json.loads(payload)
-        if "error" in event:
-            raise SGLangError(f"SGLang /generate error: {event['error']}")
+    async for event in sse_events(response, SGLangError, "SGLang /generate"):
         meta = event.get("meta_info", {})
         output_ids = list(event.get("output_ids") or [])
         text = event.get("text", "")

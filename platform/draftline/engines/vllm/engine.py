@@ -26,7 +26,7 @@ from typing import AsyncIterator, Optional
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
-from draftline.engines.server_process import NotConnected, ServerError, ServerProcess
+from draftline.engines.server_process import ServerError, ServerProcess, sse_events
 from draftline.utils import free_port
 
 logger = logging.getLogger("draftline.vllm")
@@ -249,7 +249,6 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         if getattr(self, "_client", None) is None:
             raise VLLMError("VLLMEngine.generate before start(): await engine.start() first")
-        await self.server.wait_ready()
         body = {
             "model": SERVED_MODEL_NAME,
             "prompt": list(prompt_ids),
@@ -264,51 +263,25 @@ class VLLMEngine:
             body["seed"] = params.seed
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
-        for _ in range(self.cfg.engine.vllm.max_restarts + 1):
-            pid = self.server.pid
-            try:
-                async for chunk in self._stream(body):
-                    yield chunk
-                return
-            except NotConnected:
-                # The server went away before anything streamed: the watcher relaunches it; send again then.
-                await self.server.wait_relaunched(pid)
-        raise VLLMError(f"vLLM at {self.base_url} refused connections {self.cfg.engine.vllm.max_restarts + 1} times")
+        async for chunk in self.server.stream(lambda: self._stream(body), VLLMError):
+            yield chunk
 
     async def _stream(self, body: dict) -> AsyncIterator[GenerationChunk]:
-        import httpx
-
         streamed = 0
-        try:
-            async with self._client.stream("POST", self.base_url + "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread()).decode(errors="replace")[:500]
-                    raise VLLMError(f"vLLM /v1/completions answered {response.status_code}: {detail}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[len("data:") :].strip()
-                    if payload == "[DONE]":
-                        break
-                    event = json.loads(payload)
-                    if "error" in event:
-                        raise VLLMError(f"vLLM /v1/completions error: {event['error']}")
-                    for choice in event.get("choices", []):
-                        token_ids = list(choice.get("token_ids") or [])
-                        streamed += len(token_ids)
-                        reason = choice.get("finish_reason")
-                        finished = reason is not None
-                        yield GenerationChunk(
-                            token_ids=token_ids, text=choice.get("text", ""), finished=finished,
-                            finish_reason=reason, stats=SpecStats(output_tokens=streamed) if finished else None,
-                        )  # fmt: skip
-                        if finished:
-                            return
-        except httpx.ConnectError:
-            raise NotConnected() from None
-        except httpx.TransportError as err:
-            if not streamed:
-                raise NotConnected() from None
-            raise VLLMError(f"vLLM closed the stream mid-request (did the server crash?): {err!r}") from None
-        raise VLLMError("vLLM closed the stream before the request finished (did the server crash?)")
+        async with self._client.stream("POST", self.base_url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:500]
+                raise VLLMError(f"vLLM /v1/completions answered {response.status_code}: {detail}")
+            async for event in sse_events(response, VLLMError, "vLLM /v1/completions"):
+                for choice in event.get("choices", []):
+                    token_ids = list(choice.get("token_ids") or [])
+                    streamed += len(token_ids)
+                    reason = choice.get("finish_reason")
+                    finished = reason is not None
+                    yield GenerationChunk(
+                        token_ids=token_ids, text=choice.get("text", ""), finished=finished,
+                        finish_reason=reason, stats=SpecStats(output_tokens=streamed) if finished else None,
+                    )  # fmt: skip
+                    if finished:
+                        return
 

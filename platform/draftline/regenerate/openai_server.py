@@ -12,7 +12,7 @@ from typing import AsyncIterator, Optional
 
 import httpx
 
-from draftline.engines.base import GenerationChunk, SamplingParams, SpecStats
+from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
 from draftline.engines.server_process import sse_events
 
 
@@ -27,7 +27,7 @@ class OpenAIServerEngine:
                  max_connections: int = 64) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
-        self.model_version = "target-only"
+        self.model_version = TARGET_ONLY
         api_key = os.environ.get(api_key_env) if api_key_env else None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout_s = timeout_s

@@ -1,46 +1,89 @@
-"""Regenerate through a running OpenAI-compatible server: draftline's own Serve endpoint (real Ray Serve, real HTTP on
-127.0.0.1), target only. vLLM's and SGLang's servers take the same `/v1/completions` request with token-id prompts;
-the greedy replies must equal those the reference engine gives in-process."""
+"""Regenerate through a running OpenAI-compatible server, target only: draftline's own Serve endpoint (real Ray Serve,
+real HTTP on 127.0.0.1) and vLLM's own api_server (its CPU build in .venv-vllm). Both take the same `/v1/completions`
+request with token-id prompts; the greedy replies must equal those the reference engine gives in-process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
 import pytest
 
 from registry_helpers import mlflow_test_config
-from conftest import free_port
+from conftest import VLLM_TEST_OVERRIDES, free_port
 from serve_helpers import start_serving, stop_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
+CONVERSATIONS = 8
 
-def test_regenerate_through_openai_server_matches_reference(ray_cluster, tmp_path, tiny_target_dir):
+
+@pytest.fixture
+def regenerate_overrides(tmp_path, tiny_target_dir) -> list[str]:
+    """The first 8 of the target's own conversations, 16 tokens per turn, 3 per shard."""
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join((tiny_target_dir / "conversations.jsonl").read_text().splitlines(True)[:CONVERSATIONS]))
+    return [f"data.conversations={source}", "regenerate.enabled=true", "regenerate.max_new_tokens_per_turn=16",
+            "regenerate.conversations_per_shard=3", "serve.max_ongoing_requests=4", f"serve.port={free_port()}"]
+
+
+@pytest.fixture
+def regenerate_cfg(tmp_path, regenerate_overrides):
+    # The shared test data dir holds the cached target the servers load; MLflow (no champion) is in tmp_path.
+    return mlflow_test_config(tmp_path, regenerate_overrides)
+
+
+def regenerate_through(cfg, target_dir, base_url: str):
+    """regenerate against the server at base_url (an OpenAI /v1 URL), never from a cached output."""
     from draftline.regenerate.run import output_dir, regenerate
 
-    source = tmp_path / "source.jsonl"
-    source.write_text("".join((tiny_target_dir / "conversations.jsonl").read_text().splitlines(True)[:8]))
-    common = [f"data.conversations={source}", "regenerate.enabled=true", "regenerate.max_new_tokens_per_turn=16",
-              "regenerate.conversations_per_shard=3", "serve.max_ongoing_requests=4"]
-    # The shared test data dir holds the cached target the Serve replicas load; MLflow (no champion) is in tmp_path.
-    cfg = mlflow_test_config(tmp_path, common + [f"serve.port={free_port()}"])
-    url = start_serving(cfg)
+    regenerate_cfg = cfg.regenerate.model_copy(update={"openai_base_urls": [base_url]})
+    served_cfg = cfg.model_copy(update={"regenerate": regenerate_cfg})
+    shutil.rmtree(output_dir(served_cfg, target_dir), ignore_errors=True)  # really ask the server
+    return regenerate(served_cfg, target_dir)
+
+
+def replies(result) -> list[list[str]]:
+    return [[m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"]
+            for line in (result.out_dir / "conversations.jsonl").read_text().splitlines()]
+
+
+def check_against_reference(served, cfg, target_dir, base_url: str) -> None:
+    from draftline.regenerate.run import regenerate
+
+    reference = regenerate(cfg, target_dir)
+    manifest = json.loads((served.out_dir / "manifest.json").read_text())
+    assert manifest["engine"] == {"backend": "openai-server", "model": None, "base_urls": [base_url]}
+    assert served.shards_generated == 3 and served.conversations == reference.conversations == CONVERSATIONS
+    assert served.output_tokens > 0 and served.out_dir != reference.out_dir
+    assert replies(served) == replies(reference)
+
+
+def test_regenerate_through_draftline_serve_matches_reference(ray_cluster, regenerate_cfg, tiny_target_dir):
+    url = start_serving(regenerate_cfg)
     try:
-        served_cfg = cfg.model_copy(update={"regenerate": cfg.regenerate.model_copy(update={"openai_base_urls": [f"{url}/v1"]})})
-        shutil.rmtree(output_dir(served_cfg, tiny_target_dir), ignore_errors=True)  # really ask the server
-        served = regenerate(served_cfg, tiny_target_dir)
+        served = regenerate_through(regenerate_cfg, tiny_target_dir, f"{url}/v1")
     finally:
         stop_serving()
-    reference = regenerate(cfg, tiny_target_dir)
+    check_against_reference(served, regenerate_cfg, tiny_target_dir, f"{url}/v1")
 
-    manifest = json.loads((served.out_dir / "manifest.json").read_text())
-    assert manifest["engine"] == {"backend": "openai-server", "model": None, "base_urls": [f"{url}/v1"]}
-    assert served.shards_generated == 3 and served.conversations == reference.conversations == 8
-    assert served.output_tokens > 0 and served.out_dir != reference.out_dir
 
-    def replies(result):
-        return [[m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"]
-                for line in (result.out_dir / "conversations.jsonl").read_text().splitlines()]
+def test_regenerate_through_vllm_matches_reference(ray_cluster, tmp_path, regenerate_overrides, regenerate_cfg,
+                                                   tiny_target_dir):
+    """vLLM 0.32's CPU build serving the test target alone (one start-up, --enforce-eager), started and stopped by
+    draftline's vLLM engine; regenerate only talks to its OpenAI endpoint."""
+    from draftline.engines import make_engine
 
-    assert replies(served) == replies(reference)
+    engine = make_engine(mlflow_test_config(tmp_path, regenerate_overrides + VLLM_TEST_OVERRIDES), tiny_target_dir)
+
+    async def through_vllm():
+        await engine.start()
+        try:
+            base_url = f"{engine.base_url}/v1"
+            return base_url, await asyncio.to_thread(regenerate_through, regenerate_cfg, tiny_target_dir, base_url)
+        finally:
+            await engine.stop()
+
+    base_url, served = asyncio.run(through_vllm())
+    check_against_reference(served, regenerate_cfg, tiny_target_dir, base_url)

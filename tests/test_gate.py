@@ -164,8 +164,12 @@ def test_a_clear_result_stops_at_the_first_look():
 
 
 @pytest.mark.slow
-def test_gate_runs_tag_versions_and_drive_promotion(tmp_path, tiny_target_dir, fitted_drafter_dir):
-    """A fitted drafter passes and is promoted; a random one fails (accept length) and promotion refuses it."""
+def test_gate_runs_tag_versions_and_drive_promotion(tmp_path, monkeypatch, tiny_target_dir, tiny_dataset_dir,
+                                                   fitted_drafter_dir):
+    """A fitted drafter passes and is promoted; a random one fails (accept length) and promotion refuses it.
+    The fitted one's run carries the dataset it was trained on, as a training run does: its gate benches on that
+    dataset's bench split without running prepare; the random one's has none, so its gate prepares."""
+    import draftline.data.prepare
     from draftline.drafter.export import load_drafter
 
     # min_speedup is relaxed: wall-clock speed on a shared test machine is not what this test is about.
@@ -174,8 +178,14 @@ def test_gate_runs_tag_versions_and_drive_promotion(tmp_path, tiny_target_dir, f
     fitted = load_drafter(fitted_drafter_dir)
     good = register_drafter(cfg, fitted)
     bad = register_drafter(cfg, random_drafter(tiny_target_dir, 512, seed=5))
+    client = mlflow_client(cfg)
+    client.set_tag(client.get_model_version(cfg.registered_model_name, good).run_id, "dataset_hash",
+                   tiny_dataset_dir.name)
 
+    prepare = draftline.data.prepare.prepare
+    monkeypatch.setattr(draftline.data.prepare, "prepare", lambda *a: pytest.fail("the gate ran prepare"))
     decision = run_gate(cfg, good, log=lambda _: None)
+    monkeypatch.setattr(draftline.data.prepare, "prepare", prepare)
     assert decision.passed, decision.reasons
     tags = mlflow_client(cfg).get_model_version(cfg.registered_model_name, good).tags
     assert tags[GATE_TAG] == "passed" and tags[GATE_RUN_TAG] == decision.run_id

@@ -27,6 +27,7 @@ import asyncio
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
 from draftline.bench.runner import BASELINE, LoadRow, gap_cells
@@ -215,11 +216,12 @@ def champion_p99_itl(rows: list[LoadRow], candidate_label: str, champion_label: 
     return out
 
 
-def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_label: Optional[str], log=print):
+def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_label: Optional[str], log=print,
+               dataset_dir: Optional[Path] = None):
     """The paired rounds of the gate with its looks -> (checks, rounds run, bench report of the last look)."""
     from draftline.bench.cli import plan_bench
 
-    plan = plan_bench(cfg, candidates, sweep=False, temperature=0.0)
+    plan = plan_bench(cfg, candidates, sweep=False, temperature=0.0, dataset_dir=dataset_dir)
     report: dict = {}
 
     async def rounds():
@@ -246,7 +248,9 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
     """Bench, decide and record the gate for `version` (default: the latest version of the registered model)."""
     import mlflow
 
-    from draftline.registry import CHAMPION, RegistryError, get_version, latest_version, resolve_alias
+    from draftline.registry import (
+        CHAMPION, RegistryError, get_version, latest_version, resolve_alias, trained_dataset_dir,
+    )
     from draftline.tracking import mlflow_client
 
     version = str(version or latest_version(cfg))
@@ -264,7 +268,10 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
         champion_label = f"champion-v{champion.version}"
         candidates.append((champion_label, champion.export_dir, champion.version))
     log(f"[gate] {cfg.registered_model_name} version {version}" + (f" vs champion {champion.version}" if champion else ""))
-    checks, rounds, report = gate_bench(cfg, candidates, candidate_label, champion_label, log)
+    # The bench split of the dataset the candidate was trained on (prepare runs only when that one is gone).
+    checks, rounds, report = gate_bench(
+        cfg, candidates, candidate_label, champion_label, log, dataset_dir=trained_dataset_dir(cfg, candidate)
+    )
     decision = GateDecision(version, all(c.passed for c in checks), checks, champion.version if champion else None,
                             rounds=rounds, bench=report)  # fmt: skip
 

@@ -42,6 +42,7 @@ class ResolvedVersion:
     export_dir: Path
     tags: dict[str, str] = field(default_factory=dict)
     source: str = ""
+    run_id: str = ""  # the MLflow run that produced it (the training run)
 
 
 def _missing(err: Exception) -> bool:
@@ -111,7 +112,19 @@ def get_version(cfg: DraftlineConfig, version: str | int, download: bool = True)
 
 def _resolved(cfg: DraftlineConfig, mv: Any, download: bool) -> ResolvedVersion:
     export_dir = export_dir_of(cfg, mv.name, mv.version, mv.source) if download else Path(mv.source)
-    return ResolvedVersion(mv.name, str(mv.version), export_dir, dict(mv.tags or {}), mv.source)
+    return ResolvedVersion(mv.name, str(mv.version), export_dir, dict(mv.tags or {}), mv.source, mv.run_id or "")
+
+
+def trained_dataset_dir(cfg: DraftlineConfig, version: ResolvedVersion) -> Optional[Path]:
+    """The prepared dataset a version was trained on (its training run's `dataset_hash` tag), if it is still in
+    data_dir; None for a version with no such run or tag (registered by hand) or whose dataset is gone."""
+    if not version.run_id:
+        return None
+    dataset_hash = mlflow_client(cfg).get_run(version.run_id).data.tags.get("dataset_hash")
+    if not dataset_hash:
+        return None
+    dataset_dir = cfg.data_path("datasets", dataset_hash)
+    return dataset_dir if (dataset_dir / "manifest.json").is_file() else None
 
 
 def resolve_alias(cfg: DraftlineConfig, alias: str = CHAMPION, download: bool = True) -> ResolvedVersion:

@@ -83,17 +83,18 @@ class BenchPlan:
 
 
 def plan_bench(
-    cfg: DraftlineConfig, candidates: list[tuple[str, Path, Optional[str]]], sweep: bool = False, temperature: float = 0.0
+    cfg: DraftlineConfig, candidates: list[tuple[str, Path, Optional[str]]], sweep: bool = False,
+    temperature: float = 0.0, dataset_dir: Optional[Path] = None,
 ) -> BenchPlan:
-    """The target alone and each candidate (label, drafter export dir, model version) on the bench prompts."""
+    """The target alone and each candidate (label, drafter export dir, model version) on the bench prompts:
+    `bench.prompts`, else the bench split of `dataset_dir`, else of the dataset `prepare` makes for cfg."""
     from transformers import AutoTokenizer
 
     from draftline.bench.prompts import load_bench_prompts
     from draftline.target.load import resolve_target_dir
 
     target_dir = resolve_target_dir(cfg)
-    dataset_dir = None
-    if not cfg.bench.prompts:
+    if not cfg.bench.prompts and dataset_dir is None:
         from draftline.data.prepare import prepare
 
         dataset_dir = prepare(cfg, target_dir)

@@ -1,6 +1,7 @@
 """Peak memory and time of one TTT training step of a Llama-3.1-8B-shaped drafter, before and after issue 15.
 
     python benchmarks/train_memory.py [--shape llama8b|llama8b-narrow] [--runs before:2048 after:2048] [--out FILE]
+                                      [--device cuda] [--before-dir PLATFORM_DIR]
 
 Shapes: `llama8b` is H 4096, 32 heads (8 kv heads, head_dim 128), MLP 14336, draft vocab 32000, target vocab
 128256, three aux layers; `llama8b-narrow` keeps the heads and both vocabularies at 1/8 of the width (see SHAPES).
@@ -14,6 +15,10 @@ inputs and must report the same loss. Memory is the process's resident set from 
 adds on top of the weights, the frozen target head (tied embedding/lm_head, 2 GiB) and the batch; the gradients
 of the drafter (1.6 GiB at llama8b) are part of it in both variants. The optimizer step is left out: it is the same code
 before and after (AdamW state is 2x the 1.6 GiB of parameters either way).
+
+`--device cuda` runs the step on a GPU and measures the same thing with CUDA's allocator (peak allocated during the
+step minus allocated before it); `--before-dir` names an unpacked "before" platform directory (`git archive
+BEFORE_REV platform`), for a machine whose copy of the repo has no git history.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def _proc_status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def child(shape: str, length: int) -> dict:
+def child(shape: str, length: int, device: str = "cpu") -> dict:
     """One training step in this process; the variant is whichever draftline is on PYTHONPATH."""
     import torch
 
@@ -78,18 +83,27 @@ def child(shape: str, length: int) -> dict:
         final_hidden=torch.randn(1, length, config.hidden_size),
     )
     objective = TTTObjective(drafter, TTT_STEPS, 0.8, "soft")
-
-    baseline_kib = _proc_status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    if device != "cpu":
+        drafter.to(device)
+        head, batch, t2d = head.to(device, torch.float32), batch.to(device, torch.float32), t2d.to(device)
+        torch.cuda.synchronize()
+        baseline_kib = torch.cuda.memory_allocated() // 1024
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        baseline_kib = _proc_status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     started = time.perf_counter()
     loss, metrics = objective(*objective_inputs(batch, head, t2d, torch.float32))
     loss.backward()
+    if device != "cpu":
+        torch.cuda.synchronize()
     step_s = time.perf_counter() - started
-    peak_kib = _proc_status_kib("VmHWM")
+    peak_kib = torch.cuda.max_memory_allocated() // 1024 if device != "cpu" else _proc_status_kib("VmHWM")
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in drafter.parameters() if p.grad is not None)
     return {
         "shape": shape,
         "length": length,
+        "device": device,
         "grads_gib": grad_bytes / 2**30,
         "baseline_rss_gib": baseline_kib / 2**20,
         "peak_rss_gib": peak_kib / 2**20,
@@ -112,10 +126,11 @@ def unpack_before(directory: Path) -> Path:
     return directory / "platform"
 
 
-def run_child(platform_dir: Path, shape: str, length: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(platform_dir)}
+def run_child(platform_dir: Path, shape: str, length: int, device: str) -> dict:
+    path = [str(platform_dir), os.environ.get("PYTHONPATH", "")]  # the variant first; a GPU image's own packages after
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", shape, str(length)], env=env, capture_output=True, text=True
+        [sys.executable, __file__, "--child", shape, str(length), device], env=env, capture_output=True, text=True
     )
     if proc.returncode != 0:
         return {"shape": shape, "length": length, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"}
@@ -128,22 +143,26 @@ def main() -> int:
                         help="VARIANT:LENGTH, VARIANT in before/after, run in this order")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
-    parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the step on a GPU, CUDA allocator figures")
+    parser.add_argument("--before-dir", help="an unpacked 'before' platform dir (default: git archive BEFORE_REV)")
+    parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child[0], int(args.child[1]))))
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.child[2])))
         return 0
 
     results = []
     with tempfile.TemporaryDirectory(prefix="draftline-bench-mem-") as scratch:
-        platforms = {"before": unpack_before(Path(scratch)), "after": REPO / "platform"}
+        before = Path(args.before_dir) if args.before_dir else unpack_before(Path(scratch))
+        platforms = {"before": before, "after": REPO / "platform"}
         for spec in args.runs:
             variant, length = spec.split(":")
-            result = {"variant": variant, **run_child(platforms[variant], args.shape, int(length))}
+            result = {"variant": variant, **run_child(platforms[variant], args.shape, int(length), args.device)}
             print(json.dumps(result), flush=True)
             results.append(result)
 
-    print(f"\n{args.shape} drafter {SHAPES[args.shape]}, B=1, {TTT_STEPS} TTT steps, fp32, {os.cpu_count()} CPUs, "
+    print(f"\n{args.shape} drafter {SHAPES[args.shape]}, B=1, {TTT_STEPS} TTT steps, fp32, on {args.device}, "
+          f"{os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}")
     print("| variant | L | step peak GiB (above weights) | of it grads GiB | peak RSS GiB | step s | loss | loss_6 |")
     print("|---|---|---|---|---|---|---|---|")

@@ -33,6 +33,7 @@ from draftline.extract.shards import num_shards, shard_sample_range  # noqa: E40
 from draftline.extract.storage import Storage  # noqa: E402
 from draftline.extract.worker import SplitTokens, length_sorted_batches, right_padded_batch, run_worker_shards  # noqa: E402
 from draftline.raycluster import ensure_ray  # noqa: E402
+from draftline.target.aux_layers import family_of  # noqa: E402
 from draftline.target.load import load_target, resolve_aux_layer_ids  # noqa: E402
 from draftline.utils import atomic_write_json, read_json  # noqa: E402
 
@@ -57,7 +58,7 @@ def paired_tokens_per_s(cfg, model, split_tokens: SplitTokens, pad_id: int, scra
     """Round by round, alternate a bare forward pass over the data (base model; causal LM) with a full extraction
     pass (`run_worker_shards`, the worker's own loop: capture, encode, sha256, atomic writes overlapped with the
     next shard's forwards) into a fresh directory, so load from other processes hits all three alike."""
-    ids = resolve_aux_layer_ids(cfg, model.config.num_hidden_layers)
+    ids = resolve_aux_layer_ids(cfg, model.config.num_hidden_layers, family_of(model.config))
     batches = []
     for shard_index in range(num_shards(len(split_tokens), cfg.extract.samples_per_shard)):
         sample_range = shard_sample_range(shard_index, len(split_tokens), cfg.extract.samples_per_shard)

@@ -85,6 +85,7 @@ def main() -> int:
     from draftline.data.prepare import load_split, prepare
     from draftline.drafter.export import load_drafter
     from draftline.regenerate.run import regenerate
+    from draftline.target.aux_layers import family_of
     from draftline.target.load import load_target, resolve_aux_layer_ids, resolve_target_dir
 
     base = load_config(args.config, args.overrides)
@@ -102,7 +103,7 @@ def main() -> int:
     datasets = {"original": prepare(original_cfg, target_dir), "regenerated": prepare(regenerated_cfg, target_dir)}
 
     target = load_target(base, target_dir=target_dir)
-    aux_layer_ids = resolve_aux_layer_ids(base, target.num_layers)
+    aux_layer_ids = resolve_aux_layer_ids(base, target.num_layers, family_of(target.model.config))
     num_steps = base.engine.speculative.num_steps
     bench_prompts = [prompt_from_sample(s) for s in load_split(datasets["regenerated"], "bench")][: base.bench.num_prompts]
     rows = {}

@@ -1,10 +1,10 @@
-"""Regenerate through a running OpenAI-compatible server, target only: draftline's own Serve endpoint (real Ray Serve,
-real HTTP on 127.0.0.1) and vLLM's own api_server (its CPU build in .venv-vllm). Both take the same `/v1/completions`
-request with token-id prompts; the greedy replies must equal those the reference engine gives in-process."""
+"""Regenerate through real servers, target only: a running OpenAI-compatible server (draftline's own Serve endpoint:
+real Ray Serve, real HTTP on 127.0.0.1, `/v1/completions` with token-id prompts), and vLLM's own api_server (its CPU
+build in .venv-vllm) started by the replica as `engine.backend`. The greedy replies must equal those the reference
+engine gives in-process."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 
@@ -69,21 +69,19 @@ def test_regenerate_through_draftline_serve_matches_reference(ray_cluster, regen
     check_against_reference(served, regenerate_cfg, tiny_target_dir, f"{url}/v1")
 
 
-def test_regenerate_through_vllm_matches_reference(ray_cluster, tmp_path, regenerate_overrides, regenerate_cfg,
-                                                   tiny_target_dir):
-    """vLLM 0.32's CPU build serving the test target alone (one start-up, --enforce-eager), started and stopped by
-    draftline's vLLM engine; regenerate only talks to its OpenAI endpoint."""
-    from draftline.engines import make_engine
+def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path, regenerate_overrides,
+                                                          regenerate_cfg, tiny_target_dir):
+    """engine.backend=vllm: the regenerate replica starts vLLM 0.32's CPU api_server itself (one start-up,
+    --enforce-eager) and sends its turns there through the vLLM engine, many in flight."""
+    from draftline.regenerate.run import output_dir, regenerate
 
-    engine = make_engine(mlflow_test_config(tmp_path, regenerate_overrides + VLLM_TEST_OVERRIDES), tiny_target_dir)
+    vllm_cfg = mlflow_test_config(tmp_path, regenerate_overrides + VLLM_TEST_OVERRIDES)
+    shutil.rmtree(output_dir(vllm_cfg, tiny_target_dir), ignore_errors=True)
+    served = regenerate(vllm_cfg, tiny_target_dir)
+    reference = regenerate(regenerate_cfg, tiny_target_dir)
 
-    async def through_vllm():
-        await engine.start()
-        try:
-            base_url = f"{engine.base_url}/v1"
-            return base_url, await asyncio.to_thread(regenerate_through, regenerate_cfg, tiny_target_dir, base_url)
-        finally:
-            await engine.stop()
-
-    base_url, served = asyncio.run(through_vllm())
-    check_against_reference(served, regenerate_cfg, tiny_target_dir, base_url)
+    manifest = json.loads((served.out_dir / "manifest.json").read_text())
+    assert manifest["engine"] == {"backend": "vllm", "device": "cpu"}
+    assert served.shards_generated == 3 and served.conversations == reference.conversations == CONVERSATIONS
+    assert served.output_tokens > 0 and served.out_dir != reference.out_dir
+    assert replies(served) == replies(reference)

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, TEST_OVERRIDES, free_port
+from conftest import REPO, TEST_OVERRIDES, VLLM_TEST_OVERRIDES, free_port
 from draftline.tracking import GATE_TAG
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
 from serve_helpers import start_serving, stop_serving
@@ -47,10 +47,10 @@ def registry(ray_cluster, tmp_path_factory, tiny_target_dir):
     return extra, old, new
 
 
-async def _load(url: str, stop: threading.Event) -> list[tuple[float, float, object]]:
-    """CLIENTS loops until `stop` or MAX_LOAD_S; each result is (start_s, end_s, version or failure text)."""
+async def _load(url: str, stop: threading.Event, max_s: float) -> list[tuple[float, float, object]]:
+    """CLIENTS loops until `stop` or max_s; each result is (start_s, end_s, version or failure text)."""
     results: list[tuple[float, float, object]] = []
-    deadline = time.monotonic() + MAX_LOAD_S
+    deadline = time.monotonic() + max_s
 
     async def client() -> None:
         async with httpx.AsyncClient(timeout=120) as http:
@@ -71,17 +71,17 @@ async def _load(url: str, stop: threading.Event) -> list[tuple[float, float, obj
 
 
 @contextlib.contextmanager
-def _under_load(url: str):
+def _under_load(url: str, max_s: float = MAX_LOAD_S):
     """CLIENTS clients load `url` for the duration of the with-block; the yielded list fills with _load's results."""
     stop = threading.Event()
     results: list = []
-    load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop))))
+    load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop, max_s))))
     load.start()
     try:
         yield results
     finally:
         stop.set()
-        load.join(timeout=MAX_LOAD_S + 60)
+        load.join(timeout=max_s + 60)
     assert not load.is_alive()
 
 
@@ -91,15 +91,27 @@ def _outcomes(results: list) -> tuple[list, Counter]:
     return failures, Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
 
 
-def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_factory):
-    from draftline.registry import alias_version_number
+# vLLM's CPU build as the replicas' engine: one server per version, the new one started beside the old (serve.rollout
+# beside), so the load has to outlast a vLLM start-up; the interpreter is named because Serve replicas import
+# draftline from Ray's copy of it, not from this checkout.
+BACKENDS = {
+    "reference": ([], MAX_LOAD_S),
+    "vllm": (VLLM_TEST_OVERRIDES + [f"engine.vllm.python={REPO / '.venv-vllm' / 'bin' / 'python'}"], 240.0),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_factory, backend):
+    from draftline.registry import alias_version_number, promote
     from draftline.release import promote_and_roll
 
     extra, old, new = registry
-    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}"])
+    overrides, max_load_s = BACKENDS[backend]
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + overrides + [f"serve.port={free_port()}"])
+    promote(cfg, old)
     url = start_serving(cfg)
     try:
-        with _under_load(url) as results:
+        with _under_load(url, max_load_s) as results:
             time.sleep(5)  # old version under load first
             roll_started = time.monotonic()
             message = promote_and_roll(cfg, new)
@@ -111,7 +123,7 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     failures, versions = _outcomes(results)
     late = Counter(outcome for started, _, outcome in results if started > rolled_at)
     print(
-        f"rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
+        f"{backend} rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
         f"versions {dict(versions)}, promote_and_roll took {rolled_at - roll_started:.1f} s, "
         f"requests started after the roll: {dict(late)}"
     )

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/vllm.py                      # configs/tiny-cpu.yaml (the embedded default), greedy
     .venv/bin/python benchmarks/vllm.py --drafter DIR        # an existing export instead of a quick fit
     .venv/bin/python benchmarks/vllm.py --openmp intel       # vLLM only with Intel OpenMP preloaded (default: both)
+    .venv/bin/python benchmarks/vllm.py --twin qwen3-8b data_dir=DIR  # a shape twin (configs/twins/), its own data dir
 
 One `run_bench` (bench/runner.py: paired, interleaved rounds, target alone first) per engine on the same bench prompts
 and the same drafter: the reference engine, then vLLM's CPU build with engine.vllm.preload_intel_openmp true and
@@ -33,6 +34,7 @@ from draftline.config import load_config  # noqa: E402
 from draftline.utils import atomic_write_json  # noqa: E402
 
 OPENMP_SETTINGS = {"intel": True, "gnu": False}  # --openmp choice -> engine.vllm.preload_intel_openmp
+TWINS = sorted(p.stem for p in (REPO / "configs" / "twins").glob("*.yaml"))
 
 
 def uptime() -> str:
@@ -41,7 +43,9 @@ def uptime() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny-cpu.yaml"))
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--config", default=str(REPO / "configs" / "tiny-cpu.yaml"))
+    which.add_argument("--twin", choices=TWINS, help="configs/twins/TWIN.yaml instead of --config")
     parser.add_argument("--drafter", help="drafter export dir (default: fit one quickly, cached)")
     parser.add_argument("--fit-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1,
@@ -49,9 +53,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="bench.rounds per engine: paired, interleaved rounds")
     parser.add_argument("--openmp", choices=[*OPENMP_SETTINGS, "both"], default="both", help="vLLM's OpenMP runtime")
     parser.add_argument("--compile", action="store_true", help="let vLLM torch.compile (no --enforce-eager)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "vllm.json"))
+    parser.add_argument("--out", help="JSON report (default: benchmarks/vllm.json, or vllm-TWIN.json with --twin)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
+    if args.twin:
+        args.config = str(REPO / "configs" / "twins" / f"{args.twin}.yaml")
+    args.out = args.out or str(REPO / "benchmarks" / (f"vllm-{args.twin}.json" if args.twin else "vllm.json"))
 
     import torch
 

@@ -11,15 +11,17 @@ import torch
 from conftest import make_test_config
 
 
+def mlflow_overrides(tmp_path: Path) -> list[str]:
+    """Dotted overrides that put MLflow's tracking store and artifacts in `tmp_path`."""
+    return [
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.artifact_location={(tmp_path / 'mlruns').as_uri()}",
+    ]
+
+
 def mlflow_test_config(tmp_path: Path, extra: Optional[list[str]] = None):
     """The tiny test config (shared cached target) with MLflow in `tmp_path`."""
-    return make_test_config(
-        extra=[
-            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-            f"tracking.artifact_location={(tmp_path / 'mlruns').as_uri()}",
-        ]
-        + list(extra or [])
-    )
+    return make_test_config(extra=mlflow_overrides(tmp_path) + list(extra or []))
 
 
 def random_drafter(target_dir: Path, draft_vocab_size: int = 256, seed: int = 0):
@@ -39,16 +41,22 @@ def register_drafter(cfg, drafter, tags: Optional[dict] = None, damage: Optional
     """Export `drafter`, log it as a run artifact and register it; returns the version number.
 
     damage: called with the export directory before it is logged (to register a broken version on purpose)."""
-    import mlflow
-
     from draftline.drafter.export import export_drafter
-    from draftline.tracking import register_version, setup_mlflow
 
-    setup_mlflow(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         export_dir = export_drafter(drafter, Path(tmp) / "drafter", meta={"test": True})
         if damage is not None:
             damage(export_dir)
-        with mlflow.start_run() as run:
-            mlflow.log_artifacts(str(export_dir), artifact_path="drafter")
-    return register_version(cfg, run.info.run_id, "drafter", tags=tags)
+        return register_export_dir(cfg, export_dir, tags)
+
+
+def register_export_dir(cfg, export_dir: Path, tags: Optional[dict] = None) -> str:
+    """Register an export directory as the train stage does (`tracking.register_export`, in an MLflow run of its
+    own); returns the version number."""
+    import mlflow
+
+    from draftline.tracking import register_export, setup_mlflow
+
+    setup_mlflow(cfg)
+    with mlflow.start_run() as run:
+        return register_export(cfg, run.info.run_id, export_dir, tags=tags)

@@ -1,114 +1,53 @@
-"""vLLM's CPU build (.venv-vllm, `make setup-vllm`) serving the test target and the fitted drafter, for real.
+"""vLLM's CPU build (.venv-vllm, `make setup-vllm`) serving the test target and a registered drafter version, for real.
 
-Everything goes through `draftline bench --engine vllm --drafter DIR` (the CLI, in this process), greedy on the bench
-prompts, one round at concurrency 1: the bench starts one vLLM server per role (target alone, then target + the
-drafter's EAGLE-3 export) and checks losslessness against the target alone; its accept length comes from vLLM's own
-counters (output tokens / drafts). `draftline bench` with the reference engine runs the same prompts with the same
-drafter. The 3% check catches the aux-id off-by-one (the SGLang ids as vLLM's top-level key moved vLLM's accept length
-by -5.4% on these prompts: benchmarks/RESULTS.md). Two vLLM start-ups, so marked slow.
+The conftest's fitted drafter is registered in a test-local MLflow store the way the train stage registers its export
+(`tracking.register_export`), and everything goes through `draftline bench --engine vllm --version N` (tests/
+vllm_helpers.py), so vLLM serves the version's files as the registry hands them out, greedy on the bench prompts:
+vLLM with the drafter is token-identical to vLLM alone, vLLM logs the version's aux ids, and its accept length (from
+its own counters: output tokens / drafts) is within 3% of `draftline bench --version N` with the reference engine on
+the same prompts. The 3% check catches the aux-id off-by-one (the SGLang ids as vLLM's top-level key moved vLLM's
+accept length by -5.4% on these prompts: benchmarks/RESULTS.md). Two vLLM start-ups, so marked slow.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import re
-import time
-
 import pytest
 
-from conftest import TEST_CONFIG, VLLM_TEST_OVERRIDES, config_overrides
+from conftest import TEST_CONFIG, config_overrides
+from vllm_helpers import (
+    check_accept_length_gap, check_logged_aux_ids, check_vllm_with_the_drafter_is_lossless, reference_bench,
+    register_fitted, vllm_bench,
+)  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
-# The config's bench prompts (at test size the bench split has 19, each answered in about 8 tokens), greedy (the
-# bench's default temperature, which checks losslessness), one round at concurrency 1: a second or two per load, so
-# the two server start-ups are the cost. Fewer prompts would not do: 8 of them make about 23 drafts, where one draft
-# more or less moves the accept length by 4%, more than the 3% being checked.
-BENCH_ARGS = ["--concurrency", "1"]
-BENCH_OVERRIDES = ["bench.rounds=1"]
-MIN_DRAFTS = 40  # one draft is then at most 2.5% of the accept length
-# vLLM 0.32 (vllm/model_executor/models/llama.py) logs the ids it read from the draft's config at start-up.
-AUX_IDS_LOGGED = re.compile(r"Using auxiliary layers from speculative config: \(([\d, ]*)\)")
-MAX_ACCEPT_LENGTH_GAP = 0.03
-
-
-class VLLMLogLines(logging.Handler):
-    """The vLLM servers' output lines (ServerProcess forwards each one to the `draftline.vllm` logger)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def bench_through_cli(tmp_path, name: str, drafter_dir, extra_args: list[str], overrides: list[str]) -> dict:
-    from draftline.cli import main
-
-    out = tmp_path / f"{name}.json"
-    argv = ["bench", *extra_args, "--drafter", str(drafter_dir), *BENCH_ARGS, "--out", str(out),
-            "--config", str(TEST_CONFIG), *config_overrides(extra=BENCH_OVERRIDES + overrides)]  # fmt: skip
-    started = time.perf_counter()
-    assert main(argv) == 0, f"draftline {' '.join(argv)} failed"
-    print(f"[test_engine_vllm] {name} bench: {time.perf_counter() - started:.1f} s")
-    return json.loads(out.read_text())
+# The config's bench prompts: at test size the bench split has 19, each answered in about 8 tokens, a second or two
+# per load. Fewer would not do: 8 of them make about 23 drafts, where one draft more or less moves the accept length
+# by 4%, more than the 3% being checked.
 
 
 @pytest.fixture(scope="module")
-def vllm_bench(tmp_path_factory, tiny_target_dir, fitted_drafter_dir):
-    """(report, vLLM log lines) of `draftline bench --engine vllm` (the engine flag, not the config, picks vLLM)."""
-    vllm_overrides = [o for o in VLLM_TEST_OVERRIDES if not o.startswith("engine.backend=")]
-    logger = logging.getLogger("draftline.vllm")
-    handler, level = VLLMLogLines(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        out_dir = tmp_path_factory.mktemp("vllm")
-        report = bench_through_cli(out_dir, "vllm", fitted_drafter_dir, ["--engine", "vllm"], vllm_overrides)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return report, handler.lines
+def registered(tmp_path_factory, tiny_target_dir, fitted_drafter_dir):
+    return register_fitted(TEST_CONFIG, config_overrides(), tmp_path_factory.mktemp("mlflow"), fitted_drafter_dir)
 
 
 @pytest.fixture(scope="module")
-def reference_bench(tmp_path_factory, tiny_target_dir, fitted_drafter_dir):
-    return bench_through_cli(tmp_path_factory.mktemp("reference"), "reference", fitted_drafter_dir, [], [])
+def vllm_run(tmp_path_factory, registered):
+    return vllm_bench(tmp_path_factory.mktemp("vllm"), registered)
 
 
-def drafter_row(report: dict) -> dict:
-    (row,) = [row for row in report["rows"] if row["label"] == "drafter"]
-    return row
+@pytest.fixture(scope="module")
+def reference_report(tmp_path_factory, registered):
+    return reference_bench(tmp_path_factory.mktemp("reference"), registered)
 
 
-def test_vllm_with_the_drafter_is_token_identical_to_vllm_alone(vllm_bench):
-    report, _ = vllm_bench
-    assert report["backend"] == "vllm" and report["temperature"] == 0
-    row = drafter_row(report)
-    counters = row["engine_counters"]
-    # The drafter really ran: vLLM counted drafts and accepted some of them.
-    assert row["output_tokens"] > 0 and counters["drafts"] > 0 and counters["accepted_tokens"] > 0, row
-    assert row["lossless"] is True, f"vLLM with the drafter differs from vLLM serving the target alone: {row}"
+def test_vllm_with_the_drafter_is_token_identical_to_vllm_alone(vllm_run, registered):
+    check_vllm_with_the_drafter_is_lossless(vllm_run[0], registered)
 
 
-def test_vllm_reads_the_exports_top_level_aux_ids(vllm_bench, fitted_drafter_dir):
-    _, lines = vllm_bench
-    written = json.loads((fitted_drafter_dir / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-    logged = [tuple(int(i) for i in m.group(1).split(",") if i.strip()) for m in map(AUX_IDS_LOGGED.search, lines) if m]
-    # Only the speculative server loads a draft: one line, with exactly the ids written for vLLM.
-    assert logged == [tuple(written)], f"vLLM logged aux ids {logged}, the export wrote {written} for vLLM"
+def test_vllm_reads_the_exports_top_level_aux_ids(vllm_run, registered):
+    check_logged_aux_ids(vllm_run[1], registered)
 
 
-def test_vllm_accept_length_is_within_3_percent_of_the_reference_engines(vllm_bench, reference_bench):
-    report, _ = vllm_bench
-    vllm_row, reference_row = drafter_row(report), drafter_row(reference_bench)
-    assert reference_bench["backend"] == "reference" and reference_row["lossless"] is True
-    assert vllm_row["engine_counters"]["drafts"] >= MIN_DRAFTS, f"too few drafts to resolve 3%: {vllm_row}"
-    vllm_accept, reference_accept = vllm_row["accept_length"], reference_row["accept_length"]
-    gap = abs(vllm_accept - reference_accept) / reference_accept
-    assert gap <= MAX_ACCEPT_LENGTH_GAP, (
-        f"accept length: vLLM {vllm_accept} ({vllm_row['engine_counters']}), reference {reference_accept}: "
-        f"{gap:.1%} apart on the same prompts and drafter (aux ids, RoPE or d2t read differently?)"
-    )
+def test_vllm_accept_length_is_within_3_percent_of_the_reference_engines(vllm_run, reference_report, registered):
+    check_accept_length_gap(vllm_run[0], reference_report, registered)

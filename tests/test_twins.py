@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SMALL_BENCH, make_test_config
+from conftest import REPO, SMALL_BENCH, twin_config
 from draftline.config import load_config
 from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
@@ -34,21 +34,6 @@ PRODUCTION = {
 
 
 PRODUCTION_CONFIGS = {p.stem for p in (REPO / "configs").glob("*.yaml") if load_config(p).target.kind == "hf"}
-
-
-# Twins trained smaller than their configs (the embedded default's recipe), as TEST_OVERRIDES does for the default:
-# enough to pass the perplexity bounds below (the MoE twin needs the 300 steps: 150 left it at 103.5), in about a
-# minute each; their replies are far less varied than those of a twin built from its config (benchmarks/families.py).
-TWIN_TEST_OVERRIDES = [
-    "target.embedded.train_steps=300", "target.embedded.train_batch_size=8", "target.embedded.train_seq_len=64",
-    "target.embedded.num_conversations=160", "target.embedded.reply_max_new_tokens=32",
-]
-
-
-def twin_config(name: str, extra: list[str] | None = None):
-    data_dir = make_test_config().data_dir
-    overrides = [f"data_dir={data_dir}", *TWIN_TEST_OVERRIDES, *(extra or [])]
-    return load_config(REPO / "configs" / "twins" / f"{name}.yaml", overrides)
 
 
 @pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) for t in TWINS])

@@ -22,6 +22,7 @@ GATE_RUN_TAG = "gate_run_id"
 GATE_PASSED = "passed"
 GATE_FAILED = "failed"
 BENCH_BEST_TAG = "bench_best_config"  # JSON written by `draftline bench --sweep`
+DRAFTER_ARTIFACT_PATH = "drafter"  # a version's source: <run artifacts>/drafter, the export directory
 
 
 def _ensure_sqlite_parent(tracking_uri: str) -> None:
@@ -89,3 +90,12 @@ def register_version(
         name, source=source, run_id=run_id, tags={key: str(value) for key, value in (tags or {}).items()}
     )
     return str(version.version)
+
+
+def register_export(
+    cfg: DraftlineConfig, run_id: str, export_dir: str | Path, tags: Optional[dict[str, Any]] = None
+) -> str:
+    """Log a drafter export directory as the run's `drafter` artifact and register it as a new version (the train
+    stage's last step); returns the version number."""
+    mlflow_client(cfg).log_artifacts(run_id, str(export_dir), artifact_path=DRAFTER_ARTIFACT_PATH)
+    return register_version(cfg, run_id, DRAFTER_ARTIFACT_PATH, tags=tags)

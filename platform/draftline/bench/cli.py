@@ -4,6 +4,7 @@
     draftline bench --version 3 --sweep  # try bench.sweep_grid, store the best config per concurrency on version 3
     draftline bench --drafter DIR        # an export directory that is not registered
     draftline bench --engine vllm        # the same through vLLM (engine.backend), e.g. its CPU build
+    draftline bench --concurrency 1,4 bench.rounds=3  # levels as one comma-separated value; overrides may follow
 
 The target-only engine (same backend, no speculation) runs first on the same prompts; every speculative
 configuration is compared against it at each concurrency level. Output: a table, and JSON with `--out`.
@@ -158,6 +159,19 @@ def store_bench_on_version(cfg: DraftlineConfig, version: str, report: dict) -> 
     return run.info.run_id
 
 
+def concurrency_levels(value: str) -> list[int]:
+    """`--concurrency 1,4` -> [1, 4]; argparse names the flag in the error it prints for ArgumentTypeError."""
+    try:
+        levels = [int(part) for part in value.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a comma-separated list of positive integers, e.g. --concurrency 1,4"
+        )
+    return levels
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from draftline.cli import add_config_args
     from draftline.engines import add_engine_arg
@@ -167,7 +181,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     which.add_argument("--version", help="registered drafter version (default: the latest)")
     which.add_argument("--drafter", help="a drafter export directory (not registered; nothing is stored)")
     parser.add_argument("--sweep", action="store_true", help="try every bench.sweep_grid (steps, topk, draft_tokens)")
-    parser.add_argument("--concurrency", type=int, nargs="+", help="override bench.concurrency")
+    # One comma-separated value, not nargs="+": a list option would swallow the KEY=VALUE overrides after it.
+    parser.add_argument("--concurrency", type=concurrency_levels, metavar="N[,N...]",
+                        help="override bench.concurrency, e.g. 1,4")
     parser.add_argument("--max-new-tokens", type=int, help="override bench.max_new_tokens")
     parser.add_argument("--num-prompts", type=int, help="override bench.num_prompts")
     parser.add_argument("--prompts", help="jsonl prompt file (override bench.prompts)")

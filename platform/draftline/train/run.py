@@ -24,7 +24,6 @@ from draftline.utils import atomic_write_json, read_json, redact_uri_credentials
 RESULT_FILE = "train_result.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 EXPORT_SUBDIR = "drafter"
-ARTIFACT_PATH = "drafter"
 
 
 def _log(msg: str) -> None:
@@ -297,7 +296,7 @@ def train(
     from draftline.drafter.export import export_from_checkpoint
     from draftline.drafter.model import DrafterConfig
     from draftline.raycluster import ensure_ray
-    from draftline.tracking import register_version
+    from draftline.tracking import register_export
     from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE
 
     inputs = check_inputs(cfg, hidden_dir, dataset_dir, target_dir)
@@ -369,7 +368,6 @@ def train(
             f"step {state['best_step']} as best; checkpoints in {ray_result.path} are inconsistent"
         )
 
-    client.log_artifacts(run_id, str(export_dir), artifact_path=ARTIFACT_PATH)
     steps = cfg.train.ttt_steps
     tags = {
         "target_fingerprint": inputs.target_fingerprint,
@@ -381,7 +379,7 @@ def train(
         SCORE_METRIC: f"{val_metrics[SCORE_METRIC]:.4f}",
         **{f"val_acc_{k}": f"{val_metrics[f'val_acc_{k}']:.4f}" for k in range(steps)},
     }
-    version = register_version(cfg, run_id, ARTIFACT_PATH, tags=tags)
+    version = register_export(cfg, run_id, export_dir, tags=tags)
     summary = {"final_best_val_est_accept_len": val_metrics[SCORE_METRIC], "final_best_step": best_step,
                "train_wall_s": wall_s}
     final_step = int(ray_result.metrics.get("step", best_step)) if ray_result.metrics else best_step

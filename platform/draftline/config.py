@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from draftline.utils import atomic_write_text
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -568,7 +570,4 @@ def config_to_yaml(config: DraftlineConfig) -> str:
 
 def write_resolved(config: DraftlineConfig, directory: str | os.PathLike) -> Path:
     """Write the resolved config beside a stage's output."""
-    out = Path(directory) / "resolved_config.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(config_to_yaml(config))
-    return out
+    return atomic_write_text(Path(directory) / "resolved_config.yaml", config_to_yaml(config))

@@ -311,9 +311,9 @@ def _cmd(args) -> int:
 
     # As this run was started, so the command can be pasted as is (`.venv/bin/draftline` after `make demo`).
     program = sys.argv[0] if os.path.basename(sys.argv[0]) == "draftline" else "draftline"
-    from draftline.extract.storage import StorageFullError
     from draftline.registry import RegistryError
     from draftline.serving.control import ServingError
+    from draftline.utils import StorageFullError
 
     try:
         summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until,

@@ -31,6 +31,8 @@ def storage_full_message(location: str | os.PathLike, error_number: int, setting
                          kept: str = "") -> str:
     """settings: what to point elsewhere (e.g. "data_dir (or extract.storage_uri)"); kept: what a rerun resumes from."""
     location = str(location)
+    if location.startswith("file://"):  # MLflow's local artifact URIs
+        location = location[len("file://"):]
     if is_uri(location):
         free = "free space unknown"
     else:

@@ -489,7 +489,8 @@ def _apply_override(tree: dict, path: list[str], value: Any, item: str) -> None:
 
 
 def _format_errors(err: ValidationError, source: str, lines: dict[tuple[str, ...], int], overridden: set) -> str:
-    out = [f"invalid config {source}:"]
+    """One line per problem; a single problem is a single line (the console prints errors as they are)."""
+    out = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"])
         field = ".".join(loc) or "<root>"
@@ -505,8 +506,10 @@ def _format_errors(err: ValidationError, source: str, lines: dict[tuple[str, ...
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling against configs/tiny-cpu.yaml, which sets every section"
-        out.append(f"  {source}{where}: {field}: {msg}")
-    return "\n".join(out)
+        out.append(f"{source}{where}: {field}: {msg}")
+    if len(out) == 1:
+        return f"invalid config {out[0]}"
+    return "\n".join([f"invalid config {source}: {len(out)} problems"] + [f"  {line}" for line in out])
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DraftlineConfig:

@@ -196,13 +196,13 @@ def summary_text(dataset_dir: Path) -> str:
 
 
 def _cmd(args) -> int:
-    from draftline.cli import config_from_args
+    from draftline.cli import config_from_args, print_error
 
     cfg = config_from_args(args)
     try:
         out = prepare(cfg)
     except (DataError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", flush=True)
+        print_error(err)
         return 1
     print(summary_text(out))
     return 0

@@ -213,13 +213,14 @@ def test_a_full_disk_while_checkpointing_is_one_line_naming_the_place_and_the_se
     engine = _StagingEngine(errno.ENOSPC if where == "staging" else None)
     before = _staging_dirs()
     with pytest.raises(StorageFullError) as raised:
-        save_and_report(engine, {"step": 3}, {"step": 3}, rank=1, zero_stage=0, checkpoint_location=str(tmp_path / "ck"))
+        save_and_report(engine, {"step": 3}, {"step": 3}, rank=1, zero_stage=0,
+                        checkpoint_location=str(tmp_path / "ck"))
     message = str(raised.value)
     assert "\n" not in message
     if where == "upload":
-        assert re.match(rf"cannot write {tmp_path}/ck: No space left on device \(\d+\.\d MB free there\); free space "
-                        r"or point train.storage_uri \(or data_dir\) at a writable disk with room, then rerun: training "
-                        r"resumes from the last complete checkpoint$", message), message
+        assert re.match(rf"cannot write {tmp_path}/ck: No space left on device \(\d+\.\d MB free there\); free "
+                        r"space or point train.storage_uri \(or data_dir\) at a writable disk with room, then rerun: "
+                        r"training resumes from the last complete checkpoint$", message), message
     else:
         assert re.match(rf"cannot write {tempfile.gettempdir()}/draftline-ckpt-rank1-\w+: No space left on device .*"
                         r"point TMPDIR at a writable disk with room, then rerun$", message), message

@@ -1,17 +1,18 @@
 """Connecting to Ray: a real cluster when RAY_ADDRESS / ray.address is set, else a local one started here.
 
-Token authentication stays on, locally too. On a real cluster draftline never touches it: jobs authenticate with
-the cluster's token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token) and configs/cluster/ sets
+Token authentication stays on, locally too. On a real cluster draftline never touches it: jobs authenticate with the
+cluster's token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token) and configs/cluster/ sets
 RAY_AUTH_MODE=token. For the local cluster this process starts itself, we considered turning it off, since the node
 is given 127.0.0.1 as its address (see _loopback_only_node: with it, measured with `ss -ltnp` on Ray 2.60, every
-server of the cluster listens on 127.0.0.1 only; without it the GCS, the raylets, the workers, the dashboard agent and
-the metrics export port listened on every interface). But any local user, or any process of this machine, can still
-reach 127.0.0.1 and could otherwise run code in the cluster. So, unless the user chose a mode, the local cluster runs with RAY_AUTH_MODE=token and a fresh random token that
-lives only in this process's environment (RAY_AUTH_TOKEN, inherited by Ray's processes and by subprocesses such as
-the CLI run from tests). It is never written to ~/.ray/auth_token, so concurrent runs and CI jobs never share or
-overwrite a per-user token file; `draftline serve` saves it (mode 0600) beside its state.json so that
-`draftline promote`/`rollback` from another shell can roll the running app. RAY_AUTH_MODE=disabled before starting
-turns it off; RAY_AUTH_MODE=token with your own RAY_AUTH_TOKEN (or token file) uses yours.
+server of the cluster listens on 127.0.0.1 only; without it the GCS, the raylets, the workers, the dashboard agent
+and the metrics export port listened on every interface). But any local user, or any process of this machine, can
+still reach 127.0.0.1 and could otherwise run code in the cluster. So, unless the user chose a mode, the local
+cluster runs with RAY_AUTH_MODE=token and a fresh random token that lives only in this process's environment
+(RAY_AUTH_TOKEN, inherited by Ray's processes and by subprocesses such as the CLI run from tests). It is never
+written to ~/.ray/auth_token, so concurrent runs and CI jobs never share or overwrite a per-user token file;
+`draftline serve` saves it (mode 0600) beside its state.json so that `draftline promote`/`rollback` from another
+shell can roll the running app. RAY_AUTH_MODE=disabled before starting turns it off; RAY_AUTH_MODE=token with your
+own RAY_AUTH_TOKEN (or token file) uses yours.
 """
 
 from __future__ import annotations
@@ -132,23 +133,16 @@ def _pinned_local_address():
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def connect_ray(address: str, **init_kwargs) -> None:
-    """ray.init to an existing cluster. A local cluster started here listens on 127.0.0.1 only, and a client left with
-    Ray's default would turn 127.0.0.1 into the machine's address and not reach it: connect the same way it started."""
+def connect_local_cluster(address: str, **init_kwargs) -> None:
+    """ray.init to a local cluster another draftline process started (a `draftline serve`, from another shell).
+
+    It listens on 127.0.0.1 only (_loopback_only_node); a client with Ray's default would turn 127.0.0.1 into the
+    machine's address and not reach it, so connect the way it was started. Not for other clusters: a `ray start`
+    cluster expects its clients at the machine's address."""
     import ray
 
-    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
-    with _loopback_only_node() if host == "localhost" or _is_loopback_ip(host) else contextlib.nullcontext():
+    with _loopback_only_node():
         ray.init(address=address, **init_kwargs)
-
-
-def _is_loopback_ip(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @contextlib.contextmanager
@@ -192,7 +186,7 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
         return _ray_mode or ("cluster" if os.environ.get("RAY_ADDRESS") else "local")
     address = configured_ray_address(cfg)
     if address:
-        connect_ray(address, runtime_env=code_runtime_env(), log_to_driver=True)
+        ray.init(address=address, runtime_env=code_runtime_env(), log_to_driver=True)
         _ray_mode = "cluster"
         return _ray_mode
     local_auth_env()

@@ -4,6 +4,7 @@ DRAFTLINE_DEBUG=1) adds the traceback; any other exception is a bug and keeps it
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 
@@ -35,6 +36,9 @@ def test_debug_shows_the_traceback_too(capsys, monkeypatch, how):
     assert err.startswith("Traceback (most recent call last):") and "draftline.config.ConfigError" in err
     assert err.endswith("error: invalid config " + str(TEST_CONFIG) + " (from a command-line override): "
                         "data.max_seq_len: Input should be greater than or equal to 8\n")
+    if how != "env":
+        assert DEBUG_ENV not in os.environ, "--debug must not leak into the environment of later commands"
+        assert main(BAD_VALUE) == 2 and "Traceback" not in capsys.readouterr().err
 
 
 def test_a_full_disk_is_one_line_and_exit_1(capsys, monkeypatch, tmp_path):

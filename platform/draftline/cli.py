@@ -49,6 +49,7 @@ EXPECTED_ERRORS = frozenset({
     "draftline.utils.StorageFullError",
 })
 DEBUG_ENV = "DRAFTLINE_DEBUG"
+_debug_flag = False  # --debug on the command line main() is running
 
 
 def is_expected_error(err: BaseException) -> bool:
@@ -56,7 +57,7 @@ def is_expected_error(err: BaseException) -> bool:
 
 
 def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return _debug_flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def print_error(err: BaseException) -> None:
@@ -97,11 +98,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _debug_flag
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--debug` may follow the subcommand too (`draftline prepare --debug`); arguments after `--` are passed on.
     end = argv.index("--") if "--" in argv else len(argv)
-    if "--debug" in argv[:end]:
-        os.environ[DEBUG_ENV] = "1"  # read by print_error, here and in the commands
+    _debug_flag = "--debug" in argv[:end]  # read by print_error, here and in the commands
     argv = [a for i, a in enumerate(argv) if not (i < end and a == "--debug")]
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMAND_MODULES else None)

@@ -9,6 +9,7 @@ finished), `mlflow_run.json` (the run a restarted driver keeps logging into) and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -360,7 +361,8 @@ def train(
     try:
         ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}")
     except StorageFullError:
-        client.set_terminated(run_id, status="FAILED")
+        with contextlib.suppress(Exception):  # the tracking store may be on the same full disk: the line matters more
+            client.set_terminated(run_id, status="FAILED")
         raise
     except Exception as err:
         client.set_terminated(run_id, status="FAILED")

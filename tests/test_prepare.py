@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
+import subprocess
+import time
 
 import pytest
 
+import draftline.data.prepare as prepare_module
 from draftline.data.conversations import DataError, read_conversations
 from draftline.data.prepare import load_split, load_vocab, prepare
-from draftline.utils import read_json
+from draftline.utils import StorageFullError, read_json
 from conftest import make_test_config
 
 GOOD = {"messages": [{"role": "user", "content": "What does `def f(x)` do?"}, {"role": "assistant", "content": "Return the value."}]}
@@ -130,3 +136,52 @@ def test_skip_policy_survives_non_utf8_deep_nesting_and_a_bom(tmp_path, tiny_tar
 def test_conversations_pointing_at_a_directory_names_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"data.conversations=.* is a directory; point it at one .jsonl"):
         read_conversations(tmp_path)
+
+
+FULL_DISK_FIX = r"MB free there\); free space or point data_dir at a writable disk with room, then rerun$"
+
+
+@pytest.mark.parametrize("error_number", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_gives_one_line_and_leaves_no_dataset_that_looks_finished(tmp_path, tiny_target_dir, monkeypatch,
+                                                                              error_number):
+    """A write that fails for want of space raised a bare OSError (a traceback); now one line naming the file, the
+    free space and the fix, the half-written temp directory removed, and a rerun after freeing space completes."""
+    conversations = _write(tmp_path / "conv.jsonl", [GOOD] * 20)
+    cfg = make_test_config(tmp_path / "dd", [f"data.conversations={conversations}", "data.draft_vocab_size=64"])
+    real_open = open
+
+    def disk_fills_at_val_jsonl(path, *args, **kwargs):
+        if os.path.basename(path) == "val.jsonl":
+            raise OSError(error_number, os.strerror(error_number))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "open", disk_fills_at_val_jsonl, raising=False)
+    with pytest.raises(StorageFullError) as raised:
+        prepare(cfg, tiny_target_dir)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert re.match(rf"cannot write {tmp_path}/dd/datasets/\.\w+\.tmp-\d+/val\.jsonl: {os.strerror(error_number)} "
+                    rf"\(\d+\.\d {FULL_DISK_FIX}", message), message
+    assert os.listdir(tmp_path / "dd" / "datasets") == [], "nothing half-written may be left behind"
+
+    monkeypatch.undo()
+    out = prepare(cfg, tiny_target_dir)
+    assert read_json(out / "manifest.json")["samples"]["train"] == len(load_split(out, "train")) > 0
+
+
+def test_a_full_tmpfs_fails_in_one_line_and_a_rerun_with_room_completes(tmp_path, tiny_target_dir, one_mb_tmpfs):
+    """The same on a real 1 MB file system: about 3 MB of samples do not fit."""
+    reply = {"role": "assistant", "content": "It returns the value of x, unchanged, to the caller. " * 4}
+    conversations = _write(tmp_path / "conv.jsonl", [{"messages": [GOOD["messages"][0], reply]}] * 2000)
+    cfg = make_test_config(one_mb_tmpfs / "dd", [f"data.conversations={conversations}", "data.draft_vocab_size=64"])
+    started = time.monotonic()
+    with pytest.raises(StorageFullError) as raised:
+        prepare(cfg, tiny_target_dir)
+    print(f"full disk reported after {time.monotonic() - started:.1f} s: {raised.value}")
+    assert re.match(rf"cannot write {one_mb_tmpfs}/dd/datasets/\S+: No space left on device \(0\.\d {FULL_DISK_FIX}",
+                    str(raised.value))
+    assert os.listdir(one_mb_tmpfs / "dd" / "datasets") == []
+
+    subprocess.run(["mount", "-o", "remount,size=16m", str(one_mb_tmpfs)], check=True)
+    out = prepare(cfg, tiny_target_dir)
+    assert len(load_split(out, "train")) == read_json(out / "manifest.json")["samples"]["train"] > 1000

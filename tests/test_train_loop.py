@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import re
+import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +26,11 @@ from draftline.train.loop import (
     lr_multiplier,
     maybe_kill_for_test,
     objective_inputs,
+    save_and_report,
+    train_loop_per_worker,
 )
 from draftline.train.run import flatten
+from draftline.utils import StorageFullError, StorageFullSink
 
 HIDDEN, TARGET_VOCAB, DRAFT_VOCAB = 16, 40, 24
 
@@ -172,3 +180,74 @@ def test_activation_checkpointing_trains_the_same_under_deepspeed(tmp_path, monk
         dist.destroy_process_group()
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
     assert losses[True][-1] < losses[True][0]
+
+
+class _StagingEngine:
+    """Stands in for DeepSpeed's engine: save_checkpoint writes one file, or fails like a full disk."""
+
+    def __init__(self, error_number: int | None = None):
+        self.error_number = error_number
+        self.module = SimpleNamespace(drafter=None)  # rank 1 does not save the drafter
+
+    def save_checkpoint(self, directory, tag):
+        if self.error_number is not None:
+            raise OSError(self.error_number, os.strerror(self.error_number))
+        os.makedirs(os.path.join(directory, tag))
+        open(os.path.join(directory, tag, "state.pt"), "wb").close()
+
+
+def _staging_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("draftline-ckpt-rank1-")}
+
+
+@pytest.mark.parametrize("where", ["upload", "staging"])
+def test_a_full_disk_while_checkpointing_is_one_line_naming_the_place_and_the_setting(tmp_path, monkeypatch, where):
+    """ENOSPC while Ray Train copied a checkpoint to its storage (or while DeepSpeed staged it in TMPDIR) left the
+    worker with a bare OSError, which Ray Train retries as a crash; now StorageFullError with one line."""
+    import ray.train
+
+    def upload_fails(metrics, checkpoint):
+        raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(ray.train, "report", upload_fails)
+    engine = _StagingEngine(errno.ENOSPC if where == "staging" else None)
+    before = _staging_dirs()
+    with pytest.raises(StorageFullError) as raised:
+        save_and_report(engine, {"step": 3}, {"step": 3}, rank=1, zero_stage=0,
+                        checkpoint_location=str(tmp_path / "ck"))
+    message = str(raised.value)
+    assert "\n" not in message
+    if where == "upload":
+        assert re.match(rf"cannot write {tmp_path}/ck: No space left on device \(\d+\.\d MB free there\); free "
+                        r"space or point train.storage_uri \(or data_dir\) at a writable disk with room, then rerun: "
+                        r"training resumes from the last complete checkpoint$", message), message
+    else:
+        assert re.match(rf"cannot write {tempfile.gettempdir()}/draftline-ckpt-rank1-\w+: No space left on device .*"
+                        r"point TMPDIR at a writable disk with room, then rerun$", message), message
+    assert _staging_dirs() == before, "the staged checkpoint must be removed"
+
+
+def test_a_full_disk_stops_the_worker_group_and_its_retry_does_not_train(ray_cluster, monkeypatch):
+    """Ray Train retries every worker error (FailureConfig.max_failures), so a full disk restarted the group to fail
+    the same way. Now the failing rank leaves the message with the driver's sink, and the retried workers return
+    before building anything."""
+    import ray
+
+    import draftline.train.loop as loop_module
+
+    attempts = []
+
+    def train_until_the_disk_fills(loop_config):
+        attempts.append(len(attempts))
+        raise StorageFullError("cannot write /ck: No space left on device")
+
+    monkeypatch.setattr(loop_module, "_train", train_until_the_disk_fills)
+    sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
+    try:
+        with pytest.raises(StorageFullError):
+            train_loop_per_worker({"storage_full_sink": sink})
+        assert ray.get(sink.messages.remote()) == ["cannot write /ck: No space left on device"]
+        train_loop_per_worker({"storage_full_sink": sink})  # Ray Train's retry of the group
+        assert attempts == [0], "the retried worker must not train again"
+    finally:
+        ray.kill(sink)

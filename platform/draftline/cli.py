@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
 from draftline.config import ConfigError, DraftlineConfig, check_data_dir, load_config
 
@@ -27,6 +29,44 @@ COMMAND_MODULES = {
 }
 
 
+# Errors draftline raises on purpose: their message says what was wrong, where, and the fix, so the console shows
+# that line alone (a traceback only with --debug or DRAFTLINE_DEBUG=1). Matched by name along the class's MRO, so
+# subclasses count and no module is imported to check. Any other exception is a bug and keeps its traceback.
+EXPECTED_ERRORS = frozenset({
+    "draftline.config.ConfigError",
+    "draftline.data.conversations.DataError",
+    "draftline.data.masks.TemplateError",
+    "draftline.data.vocab.VocabError",
+    "draftline.engines.server_process.ServerError",
+    "draftline.engines.sglang.preflight.PreflightError",
+    "draftline.extract.shards.IncompatibleHiddenStates",
+    "draftline.extract.shards.ShardError",
+    "draftline.regenerate.run.ProvenanceError",
+    "draftline.registry.RegistryError",
+    "draftline.release.ReleaseError",
+    "draftline.serving.control.ServingError",
+    "draftline.target.aux_layers.AuxLayerIdError",
+    "draftline.utils.StorageFullError",
+})
+DEBUG_ENV = "DRAFTLINE_DEBUG"
+_debug_flag = False  # --debug on the command line main() is running
+
+
+def is_expected_error(err: BaseException) -> bool:
+    return any(f"{cls.__module__}.{cls.__qualname__}" in EXPECTED_ERRORS for cls in type(err).__mro__)
+
+
+def debug_enabled() -> bool:
+    return _debug_flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def print_error(err: BaseException) -> None:
+    """How every command reports an error it handles: `error: <message>` on stderr, after the traceback with --debug."""
+    if debug_enabled():
+        traceback.print_exception(err)
+    print(f"error: {err}", file=sys.stderr, flush=True)
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", default="configs/tiny-cpu.yaml", help="YAML config (default: %(default)s)")
     parser.add_argument(
@@ -42,6 +82,8 @@ def config_from_args(args: argparse.Namespace) -> DraftlineConfig:
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftline", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the full traceback of an error (also {DEBUG_ENV}=1; allowed anywhere on the line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     seen: set[str] = set()
@@ -56,15 +98,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _debug_flag
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--debug` may follow the subcommand too (`draftline prepare --debug`); arguments after `--` are passed on.
+    end = argv.index("--") if "--" in argv else len(argv)
+    _debug_flag = "--debug" in argv[:end]  # read by print_error, here and in the commands
+    argv = [a for i, a in enumerate(argv) if not (i < end and a == "--debug")]
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMAND_MODULES else None)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        if not is_expected_error(err):
+            raise
+        print_error(err)
+        return 2 if isinstance(err, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from draftline.utils import atomic_write_text
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -487,7 +489,8 @@ def _apply_override(tree: dict, path: list[str], value: Any, item: str) -> None:
 
 
 def _format_errors(err: ValidationError, source: str, lines: dict[tuple[str, ...], int], overridden: set) -> str:
-    out = [f"invalid config {source}:"]
+    """One line per problem; a single problem is a single line (the console prints errors as they are)."""
+    out = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"])
         field = ".".join(loc) or "<root>"
@@ -503,8 +506,10 @@ def _format_errors(err: ValidationError, source: str, lines: dict[tuple[str, ...
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling against configs/tiny-cpu.yaml, which sets every section"
-        out.append(f"  {source}{where}: {field}: {msg}")
-    return "\n".join(out)
+        out.append(f"{source}{where}: {field}: {msg}")
+    if len(out) == 1:
+        return f"invalid config {out[0]}"
+    return "\n".join([f"invalid config {source}: {len(out)} problems"] + [f"  {line}" for line in out])
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DraftlineConfig:
@@ -568,7 +573,4 @@ def config_to_yaml(config: DraftlineConfig) -> str:
 
 def write_resolved(config: DraftlineConfig, directory: str | os.PathLike) -> Path:
     """Write the resolved config beside a stage's output."""
-    out = Path(directory) / "resolved_config.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(config_to_yaml(config))
-    return out
+    return atomic_write_text(Path(directory) / "resolved_config.yaml", config_to_yaml(config))

@@ -325,7 +325,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _gate_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
+    from draftline.cli import config_from_args, print_error
     from draftline.registry import RegistryError
 
     from draftline.engines import with_engine_arg
@@ -334,7 +334,7 @@ def _gate_command(args: argparse.Namespace) -> int:
     try:
         decision = run_gate(cfg, args.version)
     except RegistryError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(err)
         return 1
     for check in decision.checks:
         print(f"  [{check.outcome.upper() if not check.passed else 'pass'}] {check.name}: {check.detail}")

@@ -1,16 +1,18 @@
 """Connecting to Ray: a real cluster when RAY_ADDRESS / ray.address is set, else a local one started here.
 
-Token authentication stays on, locally too. On a real cluster draftline never touches it: jobs authenticate with
-the cluster's token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token) and configs/cluster/ sets
+Token authentication stays on, locally too. On a real cluster draftline never touches it: jobs authenticate with the
+cluster's token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token) and configs/cluster/ sets
 RAY_AUTH_MODE=token. For the local cluster this process starts itself, we considered turning it off, since the node
-is given 127.0.0.1 as its address. Measured with `ss -ltnp` on Ray 2.60: the GCS, the raylets and the workers listen
-on every interface whatever the node address is, so anyone who can reach the machine could otherwise run code in it.
-So, unless the user chose a mode, the local cluster runs with RAY_AUTH_MODE=token and a fresh random token that
-lives only in this process's environment (RAY_AUTH_TOKEN, inherited by Ray's processes and by subprocesses such as
-the CLI run from tests). It is never written to ~/.ray/auth_token, so concurrent runs and CI jobs never share or
-overwrite a per-user token file; `draftline serve` saves it (mode 0600) beside its state.json so that
-`draftline promote`/`rollback` from another shell can roll the running app. RAY_AUTH_MODE=disabled before starting
-turns it off; RAY_AUTH_MODE=token with your own RAY_AUTH_TOKEN (or token file) uses yours.
+is given 127.0.0.1 as its address (see _loopback_only_node: with it, measured with `ss -ltnp` on Ray 2.60, every
+server of the cluster listens on 127.0.0.1 only; without it the GCS, the raylets, the workers, the dashboard agent
+and the metrics export port listened on every interface). But any local user, or any process of this machine, can
+still reach 127.0.0.1 and could otherwise run code in the cluster. So, unless the user chose a mode, the local
+cluster runs with RAY_AUTH_MODE=token and a fresh random token that lives only in this process's environment
+(RAY_AUTH_TOKEN, inherited by Ray's processes and by subprocesses such as the CLI run from tests). It is never
+written to ~/.ray/auth_token, so concurrent runs and CI jobs never share or overwrite a per-user token file;
+`draftline serve` saves it (mode 0600) beside its state.json so that `draftline promote`/`rollback` from another
+shell can roll the running app. RAY_AUTH_MODE=disabled before starting turns it off; RAY_AUTH_MODE=token with your
+own RAY_AUTH_TOKEN (or token file) uses yours.
 """
 
 from __future__ import annotations
@@ -127,6 +129,49 @@ def _pinned_local_address():
                 os.environ[name] = value
 
 
+# Ray's own switch between a single-machine Ray and a cluster (named for its default off on Windows and macOS).
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def connect_local_cluster(address: str, **init_kwargs) -> None:
+    """ray.init to a local cluster another draftline process started (a `draftline serve`, from another shell).
+
+    It listens on 127.0.0.1 only (_loopback_only_node); a client with Ray's default would turn 127.0.0.1 into the
+    machine's address and not reach it, so connect the way it was started. Not for other clusters: a `ray start`
+    cluster expects its clients at the machine's address."""
+    import ray
+
+    with _loopback_only_node():
+        ray.init(address=address, **init_kwargs)
+
+
+@contextlib.contextmanager
+def _loopback_only_node():
+    """Give the local cluster's node the loopback address, so Ray's metrics export port, the dashboard agent and
+    the runtime-env agent listen on 127.0.0.1 only (issue 18, fault 12).
+
+    Measured with `ss -ltnp` on Ray 2.60: ray.init(_node_ip_address="127.0.0.1") is turned into the machine's
+    reachable address (services.resolve_ip_for_localhost), and those servers bind to all interfaces (metrics,
+    agent gRPC) or to that address (runtime-env agent) unless the node address is loopback, which Ray chooses only
+    when its cluster switch is off. Ray reads that switch from the environment once, at import (ray_constants), and
+    this process has imported Ray already: so it is set in both, for ray.init only. Ray's processes, forked during
+    ray.init, inherit it and agree on 127.0.0.1. A local cluster has one node, so nothing needs the reachable address.
+    """
+    from ray._private import ray_constants
+
+    saved_env, saved_constant = os.environ.get(LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_constant
+        if saved_env is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = saved_env
+
+
 def configured_ray_address(cfg: DraftlineConfig | None = None) -> str | None:
     """ray.address, else RAY_ADDRESS (Ray sets it for `ray job submit` drivers); None: a local Ray started here."""
     return (cfg.ray.address if cfg else None) or os.environ.get("RAY_ADDRESS")
@@ -149,7 +194,7 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pythonpath = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH", "")) if p)
     api_token_env = (cfg or DraftlineConfig()).serve.auth_token_env
-    with _environment_for_ray_processes(hidden=(api_token_env,)):
+    with _environment_for_ray_processes(hidden=(api_token_env,)), _loopback_only_node():
         _init_local(ray, num_cpus or (cfg.ray.num_cpus if cfg else None), pythonpath)
     _ray_mode = "local"
     return _ray_mode

@@ -116,12 +116,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(action, args: argparse.Namespace, *extra) -> int:
-    from draftline.cli import config_from_args
+    from draftline.cli import config_from_args, print_error
     from draftline.serving.control import ServingError
 
     try:
         print(action(config_from_args(args), *extra))
     except (RegistryError, ReleaseError, ServingError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(err)
         return 1
     return 0

@@ -1,15 +1,72 @@
-"""Small shared helpers: stable hashing, atomic writes, checksums."""
+"""Small shared helpers: stable hashing, atomic writes, checksums, the full-disk rule."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+# Write errors no retry can fix: the disk is full, the quota is used up, the file system is read-only.
+STORAGE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+class StorageFullError(RuntimeError):
+    """A write failed for want of space or write access; the one-line message names the file, the free space there
+    and the fix. Every stage fails at once on it: a retry (Ray Train's included) would fail the same way."""
+
+
+def is_uri(location: str | os.PathLike) -> bool:
+    return "://" in str(location)
+
+
+def storage_full_message(location: str | os.PathLike, error_number: int, settings: str = "data_dir",
+                         kept: str = "") -> str:
+    """settings: what to point elsewhere (e.g. "data_dir (or extract.storage_uri)"); kept: what a rerun resumes from."""
+    location = str(location)
+    if location.startswith("file://"):  # MLflow's local artifact URIs
+        location = location[len("file://"):]
+    if is_uri(location):
+        free = "free space unknown"
+    else:
+        existing = Path(location)
+        while not existing.exists():
+            existing = existing.parent
+        free = f"{shutil.disk_usage(existing).free / 1e6:.1f} MB free there"
+    return (f"cannot write {location}: {os.strerror(error_number)} ({free}); free space or point {settings} at a "
+            f"writable disk with room, then rerun{': ' + kept if kept else ''}")
+
+
+@contextmanager
+def raise_if_storage_full(location: str | os.PathLike, settings: str = "data_dir", kept: str = "") -> Iterator[None]:
+    """Turn a full-disk OSError raised while writing `location` into StorageFullError (other errors pass through)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in STORAGE_FULL_ERRNOS:
+            raise
+        raise StorageFullError(storage_full_message(location, err.errno, settings, kept)) from None
+
+
+class StorageFullSink:
+    """A Ray actor the workers of a Ray Train group tell about a full disk; the driver raises the first message
+    (Ray Train retries any worker error, and a full disk is not one to retry)."""
+
+    def __init__(self):
+        self._messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self._messages.append(message)
+
+    def messages(self) -> list[str]:
+        return self._messages
 
 
 def stable_hash(*parts: Any) -> str:
@@ -72,18 +129,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = 
     open() would give it (0o666 less the umask), not mkstemp's 0o600: an engine running as another user on shared
     storage must be able to read an export."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode if mode is not None else 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with raise_if_storage_full(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, mode if mode is not None else 0o666 & ~_UMASK)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return path
 
 

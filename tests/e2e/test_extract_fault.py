@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from draftline.data.prepare import load_split
 from draftline.extract.run import FAULT_AFTER_SHARDS_ENV, FAULT_MARKER_ENV, extract_with_stats
 from draftline.extract.shards import HiddenStateShards
-from draftline.extract.storage import StorageFullError
+from draftline.utils import StorageFullError
 from tests.conftest import make_test_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -53,19 +52,6 @@ def test_killed_worker_resumes_and_every_sample_is_written_once(ray_cluster, tin
     assert len(before_kill) >= SHARDS_BEFORE_DEATH
     assert after_kill, "the retried worker group wrote nothing"
     assert not list(split_dir.glob(".*.tmp")), "temp files of the killed writer must be cleaned up"
-
-
-@pytest.fixture
-def one_mb_tmpfs(tmp_path):
-    """A real 1 MB file system, so the workers hit a real ENOSPC (needs root with CAP_SYS_ADMIN, else skipped; the
-    in-process test in tests/test_extract_shards.py covers the worker without it)."""
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
 
 
 def _train_worker_actors() -> int:

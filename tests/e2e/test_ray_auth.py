@@ -1,8 +1,9 @@
-"""Token authentication on the local Ray cluster draftline starts (see draftline.raycluster): Ray's servers listen on
-every interface, so the local cluster keeps token auth on with a per-process token. Real cluster, real processes."""
+"""The local Ray cluster draftline starts (see draftline.raycluster): its servers listen on loopback only, and token
+auth stays on with a per-process token (other local users reach loopback too). Real cluster, real processes."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -10,13 +11,17 @@ import sys
 
 import pytest
 
+from draftline.raycluster import LOCAL_ONLY_ENV
+
 pytestmark = [pytest.mark.e2e]
 
 CONNECT = "import ray, sys; ray.init(address=sys.argv[1]); print('CONNECTED', ray.cluster_resources().get('CPU'))"
 
 
 def _connect(address: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CONNECT, address], env=env, capture_output=True, text=True, timeout=120)
+    """A plain Ray client: it reaches the loopback-only local cluster with Ray's local-only switch (raycluster)."""
+    return subprocess.run([sys.executable, "-c", CONNECT, address], env={**env, LOCAL_ONLY_ENV: "0"},
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_local_cluster_refuses_a_client_without_its_token(ray_cluster):
@@ -35,6 +40,29 @@ def test_local_cluster_refuses_a_client_without_its_token(ray_cluster):
 
     wrong = _connect(address, {**os.environ, "RAY_AUTH_TOKEN": "0" * 64})
     assert wrong.returncode != 0 and "CONNECTED" not in wrong.stdout
+
+
+def test_local_cluster_listens_on_loopback_only(ray_cluster):
+    """Fault 12: Ray's metrics export port (and the dashboard agent, GCS, raylet and workers) listened on every
+    interface without auth; the runtime-env agent on the machine's address."""
+    import psutil
+    import ray
+
+    if not psutil.net_connections(kind="tcp"):
+        pytest.skip("cannot see this machine's sockets")
+    (node,) = ray.nodes()
+    cluster_pids = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+    listening = [(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.pid in cluster_pids]
+    assert ("127.0.0.1", node["MetricsExportPort"]) in listening
+    assert node["NodeManagerAddress"] == "127.0.0.1"
+
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip)
+        return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+    assert len(listening) >= 8, listening  # GCS, raylet, agents, dashboard, workers: the test sees them all
+    assert [a for a in listening if not loopback(a[0])] == []
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,11 @@
 """A training worker SIGKILLed mid-run: Ray Train restarts the group from the last checkpoint and the run continues
-(step counter, data position and MLflow metrics) to the same final step instead of starting over."""
+(step counter, data position and MLflow metrics) to the same final step instead of starting over. A full disk: no
+retried training, one clear line."""
 
 from __future__ import annotations
 
+import re
+import time
 from collections import Counter
 
 import pytest
@@ -11,6 +14,7 @@ from draftline.extract.shards import HiddenStateShards
 from draftline.train.data import sample_indices_for_step
 from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
 from draftline.train.run import train
+from draftline.utils import StorageFullError
 from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -57,3 +61,35 @@ def test_killed_worker_resumes_from_checkpoint(ray_cluster, tiny_cfg, tiny_targe
     assert max(m.step for m in tokens_history) == MAX_STEPS
     assert [m.value for m in tokens_history if m.step == MAX_STEPS][-1] == expected
     assert result.best_step in (3, 6, 8)
+
+
+def test_a_full_checkpoint_disk_fails_in_one_line_without_training_again(ray_cluster, tiny_cfg, tiny_target_dir,
+                                                                         tiny_dataset_dir, tmp_path, one_mb_tmpfs):
+    """Checkpoints on a real 1 MB file system: the first checkpoint (step 3) does not fit. Ray Train retries every
+    worker error, so each of train.max_failures=3 attempts trained to step 3 and failed the same way."""
+    from mlflow import MlflowClient
+    from ray.util.state import list_actors
+
+    import ray
+
+    def train_workers() -> int:
+        return len(list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000,
+                               filters=[("class_name", "=", "RayTrainWorker")]))
+
+    hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)
+    cfg = short_run_config(tmp_path, ["train.max_steps=6", "train.max_failures=3",
+                                      f"train.storage_uri={one_mb_tmpfs / 'checkpoints'}"])
+    workers_before = train_workers()
+    started = time.monotonic()
+    with pytest.raises(StorageFullError) as raised:
+        train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)
+    print(f"full checkpoint disk reported after {time.monotonic() - started:.1f} s: {raised.value}")
+    assert re.match(rf"cannot write {one_mb_tmpfs}/checkpoints/train-\w+: No space left on device \(0\.\d MB free "
+                    r"there\); free space or point train.storage_uri \(or data_dir\)", str(raised.value))
+    # One group trained and failed; Ray Train's retry started one more group that returned at once.
+    assert train_workers() - workers_before == 2 * cfg.train.num_workers
+    client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
+    (run,) = client.search_runs(client.get_experiment_by_name(cfg.tracking.experiment).experiment_id)
+    assert run.info.status == "FAILED"
+    assert sorted(Counter(m.step for m in client.get_metric_history(run.info.run_id, "loss")).items()) == [
+        (1, 1), (2, 1), (3, 1)], "no step may be trained twice"

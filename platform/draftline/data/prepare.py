@@ -16,7 +16,7 @@ from draftline.data.conversations import BadInput, DataError, drop_duplicate_ids
 from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
 from draftline.regenerate.run import check_regenerated_for_target
-from draftline.utils import atomic_write_json, read_json, sha256_file, split_of, stable_hash
+from draftline.utils import atomic_write_json, raise_if_storage_full, read_json, sha256_file, split_of, stable_hash
 
 SPLITS = ("train", "val", "bench")
 
@@ -115,14 +115,6 @@ def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
     always = [tokenizer.convert_tokens_to_ids(eot)] if eot else []
     d2t, t2d, vocab_stats = build_draft_vocab(masked_ids, target_vocab_size, cfg.data.draft_vocab_size, always)
 
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
-    for split, samples in splits.items():
-        with open(tmp_dir / f"{split}.jsonl", "w") as handle:
-            for sample in samples:
-                handle.write(json.dumps(sample) + "\n")
-    save_vocab(tmp_dir / "vocab.safetensors", d2t, t2d)
     by_kind: dict[str, int] = {}
     for p in problems:
         by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
@@ -136,8 +128,6 @@ def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
         "bad_input": {"policy": cfg.data.on_bad_input, "count": len(problems), "by_kind": by_kind, "items": [str(p) for p in problems]},
         "draft_vocab": {"size": cfg.data.draft_vocab_size, "target_vocab_size": target_vocab_size, **vocab_stats},
     }
-    atomic_write_json(tmp_dir / "report.json", report)
-    write_resolved(cfg, tmp_dir)
     manifest = {
         "dataset_hash": out_dir.name,
         "conversations_sha256": sha256_file(conv_path),
@@ -147,10 +137,32 @@ def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
         "draft_vocab_size": cfg.data.draft_vocab_size,
         "samples": report["samples"],
     }
-    atomic_write_json(tmp_dir / "manifest.json", manifest)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
+    _write_dataset_dir(cfg, out_dir, splits, d2t, t2d, report, manifest)
     return out_dir
+
+
+def _write_dataset_dir(cfg: DraftlineConfig, out_dir: Path, splits: dict[str, list[dict]], d2t, t2d, report: dict,
+                       manifest: dict) -> None:
+    """Write into a temp directory renamed into place at the end: a full disk (or a kill) leaves no dataset
+    directory that looks finished, and a rerun starts clean."""
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    try:
+        with raise_if_storage_full(tmp_dir):
+            tmp_dir.mkdir(parents=True)
+        for split, samples in splits.items():
+            with raise_if_storage_full(tmp_dir / f"{split}.jsonl"), open(tmp_dir / f"{split}.jsonl", "w") as handle:
+                for sample in samples:
+                    handle.write(json.dumps(sample) + "\n")
+        save_vocab(tmp_dir / "vocab.safetensors", d2t, t2d)
+        atomic_write_json(tmp_dir / "report.json", report)
+        write_resolved(cfg, tmp_dir)
+        atomic_write_json(tmp_dir / "manifest.json", manifest)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
 
 
 def load_split(dataset_dir: str | Path, split: str) -> list[dict]:
@@ -184,13 +196,13 @@ def summary_text(dataset_dir: Path) -> str:
 
 
 def _cmd(args) -> int:
-    from draftline.cli import config_from_args
+    from draftline.cli import config_from_args, print_error
 
     cfg = config_from_args(args)
     try:
         out = prepare(cfg)
     except (DataError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", flush=True)
+        print_error(err)
         return 1
     print(summary_text(out))
     return 0

@@ -14,6 +14,8 @@ from typing import Iterable
 
 import torch
 
+from draftline.utils import atomic_write_bytes
+
 
 class VocabError(ValueError):
     pass
@@ -63,9 +65,9 @@ def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor
 
 
 def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(path))
+    atomic_write_bytes(path, save({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}))
 
 
 def load_vocab_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

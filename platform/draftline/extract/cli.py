@@ -16,16 +16,17 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_extract(cfg: DraftlineConfig, dataset_dir: str | None, split: str) -> int:
+    from draftline.cli import print_error
     from draftline.extract.run import extract_with_stats, summary_text
     from draftline.extract.shards import ShardError
 
     try:
         result = extract_with_stats(cfg, dataset_dir, split)
     except ConfigError as err:
-        print(f"error: {err}", flush=True)
+        print_error(err)
         return 2
     except (ShardError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", flush=True)
+        print_error(err)
         return 1
     print(summary_text(list(result.splits.values())), flush=True)
     print(f"[extract] hidden states: {result.location}", flush=True)

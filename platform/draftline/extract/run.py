@@ -29,9 +29,9 @@ from draftline.extract.shards import (
     stored_bytes_per_token,
     write_manifest,
 )
-from draftline.extract.storage import Storage, StorageFullError, is_uri
+from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
-from draftline.utils import read_json, stable_hash
+from draftline.utils import StorageFullError, StorageFullSink, is_uri, read_json, stable_hash
 
 DEFAULT_SPLITS = ("train", "val")
 # Test hook: make a worker die like a SIGKILLed process after N shards, once per marker file (tests/e2e).
@@ -242,19 +242,6 @@ class _ProgressWatcher:
         self._thread.join()
         self.poll()
         self.progress.stop()
-
-
-class StorageFullSink:
-    """A Ray actor the workers tell about a full disk (see run_worker_shards); the driver raises the first message."""
-
-    def __init__(self):
-        self._messages: list[str] = []
-
-    def add(self, message: str) -> None:
-        self._messages.append(message)
-
-    def messages(self) -> list[str]:
-        return self._messages
 
 
 def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], run_name: str) -> None:

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import shutil
 import uuid
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from draftline.utils import is_uri, raise_if_storage_full
+
 _READ_CHUNK_BYTES = 8 << 20
-# Write errors no retry can fix: the disk is full, the quota is used up, the file system is read-only.
-STORAGE_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-
-
-class StorageFullError(RuntimeError):
-    """A write failed for want of space or write access; the one-line message names the file, the free space and
-    the fix. Extraction fails at once on it instead of letting Ray Train retry (it would fail the same way)."""
-
-
-def is_uri(location: str | os.PathLike) -> bool:
-    return "://" in str(location)
 
 
 class Storage:
@@ -69,25 +58,8 @@ class Storage:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Write so that a reader sees the whole file or no file, never a partial one."""
-        try:
+        with raise_if_storage_full(self.uri(name), "data_dir (or extract.storage_uri)", "complete shards are kept"):
             self._write_bytes(name, data)
-        except OSError as err:
-            if err.errno not in STORAGE_FULL_ERRNOS:
-                raise
-            raise StorageFullError(self._full_message(name, err.errno)) from None
-
-    def _full_message(self, name: str, error_number: int) -> str:
-        if is_uri(self.location):
-            free = "free space unknown"
-        else:
-            existing = Path(self.location)
-            while not existing.exists():
-                existing = existing.parent
-            free = f"{shutil.disk_usage(existing).free / 1e6:.1f} MB free there"
-        return (
-            f"cannot write {self.uri(name)}: {os.strerror(error_number)} ({free}); free space or point data_dir "
-            "(or extract.storage_uri) at a writable disk with room, then rerun: complete shards are kept"
-        )
 
     def _write_bytes(self, name: str, data: bytes) -> None:
         self.fs.create_dir(self.root, recursive=True)

@@ -26,7 +26,8 @@ from draftline.extract.shards import (
     shards_of_worker,
     write_shard,
 )
-from draftline.extract.storage import Storage, StorageFullError
+from draftline.extract.storage import Storage
+from draftline.utils import StorageFullError
 from draftline.target.capture import capture_aux_hidden
 from draftline.target.stages import PipelinedTarget
 

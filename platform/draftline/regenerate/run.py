@@ -511,7 +511,7 @@ def summary_text(result: RegenerateResult) -> str:
 
 
 def _cmd(args) -> int:
-    from draftline.cli import config_from_args
+    from draftline.cli import config_from_args, print_error
 
     if args.limit is not None:
         args.overrides = list(args.overrides or []) + [f"regenerate.limit={args.limit}"]
@@ -519,7 +519,7 @@ def _cmd(args) -> int:
     try:
         result = regenerate(cfg)
     except (DataError, FileNotFoundError, ConnectionError) as err:
-        print(f"error: {err}", flush=True)
+        print_error(err)
         return 1
     print(summary_text(result))
     if not cfg.regenerate.enabled:

@@ -7,7 +7,7 @@ import sys
 
 
 def _serve_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
+    from draftline.cli import config_from_args, print_error
     from draftline.registry import RegistryError
     from draftline.release import sync_serving_to_champion
     from draftline.serving.control import ServingError, serve_champion
@@ -24,7 +24,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             return 0
         url = serve_champion(cfg, blocking=not args.detach)
     except (RegistryError, ServingError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(err)
         return 1
     if args.detach:
         print(url)

@@ -216,11 +216,14 @@ def connect_to_serving(cfg: DraftlineConfig) -> bool:
     state = json.loads(path.read_text())
     if state.get("local_cluster") and not _process_alive(state["pid"]):
         return False  # the local Ray of a `draftline serve` that has exited
-    from draftline.raycluster import adopt_auth
+    from draftline.raycluster import adopt_auth, connect_local_cluster
 
     adopt_auth(state.get("ray_auth_mode", ""), state.get("ray_auth_token_path"))
     try:
-        ray.init(address=state["ray_address"], log_to_driver=False)
+        if state.get("local_cluster"):
+            connect_local_cluster(state["ray_address"], log_to_driver=False)
+        else:
+            ray.init(address=state["ray_address"], log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as err:
         # Ray 2.60: a missing token is an AuthenticationError; a wrong one is a ConnectionError after ~20 s of
         # retries. A local cluster whose process is alive is there, so failing to reach it is an error, not "idle".

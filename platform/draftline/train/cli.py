@@ -18,6 +18,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(cfg: DraftlineConfig, hidden_dir: str | None, dataset_dir: str | None, target_dir: str | None) -> int:
+    from draftline.cli import print_error
     from draftline.data.prepare import prepare
     from draftline.extract.run import extract
     from draftline.extract.shards import IncompatibleHiddenStates, ShardError
@@ -30,10 +31,10 @@ def run_train(cfg: DraftlineConfig, hidden_dir: str | None, dataset_dir: str | N
         hidden_dir = hidden_dir or extract(cfg, dataset_dir)
         result = train(cfg, hidden_dir, dataset_dir, target_dir)
     except (ConfigError, IncompatibleHiddenStates) as err:
-        print(f"error: {err}", flush=True)
+        print_error(err)
         return 2
     except (ShardError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", flush=True)
+        print_error(err)
         return 1
     print(json.dumps(result.to_record(), indent=2), flush=True)
     return 0

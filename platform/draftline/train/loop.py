@@ -30,6 +30,7 @@ from torch import nn
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import est_accept_len, ttt_loss
 from draftline.train.data import Batch, TargetHead, collate, sample_indices_for_step, val_indices_for_rank
+from draftline.utils import StorageFullError, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
 TRAIN_STATE_FILE = "train_state.json"
@@ -233,19 +234,24 @@ def save_drafter_weights(engine, directory: Path, rank: int, zero_stage: int) ->
         save_drafter_checkpoint(drafter, directory)
 
 
-def save_and_report(engine, state: dict, metrics: dict, rank: int, zero_stage: int) -> None:
-    """DeepSpeed state (every rank writes its part) + train state + RNG + drafter weights, reported to Ray Train."""
+def save_and_report(engine, state: dict, metrics: dict, rank: int, zero_stage: int, checkpoint_location: str) -> None:
+    """DeepSpeed state (every rank writes its part) + train state + RNG + drafter weights, staged in a local temp
+    directory, then reported to Ray Train, which copies it to `checkpoint_location` (a full disk: StorageFullError)."""
     import ray.train
 
-    local_dir = Path(tempfile.mkdtemp(prefix=f"draftline-ckpt-rank{rank}-"))
+    with raise_if_storage_full(tempfile.gettempdir(), "TMPDIR"):
+        local_dir = Path(tempfile.mkdtemp(prefix=f"draftline-ckpt-rank{rank}-"))
     try:
-        engine.save_checkpoint(str(local_dir), tag=DEEPSPEED_TAG)
-        (local_dir / RNG_SUBDIR).mkdir(exist_ok=True)
-        torch.save(_rng_state(), local_dir / RNG_SUBDIR / f"rank_{rank}.pt")
-        save_drafter_weights(engine, local_dir / DRAFTER_SUBDIR, rank, zero_stage)
-        if rank == 0:
-            (local_dir / TRAIN_STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(local_dir)))
+        with raise_if_storage_full(local_dir, "TMPDIR"):
+            engine.save_checkpoint(str(local_dir), tag=DEEPSPEED_TAG)
+            (local_dir / RNG_SUBDIR).mkdir(exist_ok=True)
+            torch.save(_rng_state(), local_dir / RNG_SUBDIR / f"rank_{rank}.pt")
+            save_drafter_weights(engine, local_dir / DRAFTER_SUBDIR, rank, zero_stage)
+            if rank == 0:
+                (local_dir / TRAIN_STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        with raise_if_storage_full(checkpoint_location, "train.storage_uri (or data_dir)",
+                                   "training resumes from the last complete checkpoint"):
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(local_dir)))
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
 
@@ -300,7 +306,26 @@ def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: t
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
-    """Ray Train entry point (one per worker; every attempt after a failure starts here again)."""
+    """Ray Train entry point (one per worker; every attempt after a failure starts here again).
+
+    A full disk is not a crash to retry: the rank that hits it tells the driver's StorageFullSink and fails; Ray
+    Train (which retries every worker error) starts the group again, and the new workers, seeing the message, return
+    at once without training; the driver then raises the message."""
+    import ray
+    import ray.train
+
+    sink = loop_config.get("storage_full_sink")
+    if sink is not None and ray.get(sink.messages.remote()):
+        return
+    try:
+        _train(loop_config)
+    except StorageFullError as err:
+        if sink is not None:
+            ray.get(sink.add.remote(str(err)))
+        raise
+
+
+def _train(loop_config: dict) -> None:
     import deepspeed
     import ray.train
     import ray.train.torch
@@ -402,7 +427,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if improved or is_checkpoint_step(step, train_cfg):
                 logger.flush()  # metrics up to a checkpoint are in MLflow before the checkpoint exists
                 report = {**val_metrics, "step": step, "tokens_seen": state["tokens_seen"]}
-                save_and_report(engine, state, report, rank, train_cfg.zero_stage)
+                save_and_report(engine, state, report, rank, train_cfg.zero_stage, loop_config["checkpoint_location"])
         if step % train_cfg.log_every == 0:
             logger.flush()
     logger.flush()

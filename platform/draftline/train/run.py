@@ -9,6 +9,7 @@ finished), `mlflow_run.json` (the run a restarted driver keeps logging into) and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -19,7 +20,15 @@ from typing import Any
 import torch
 
 from draftline.config import ConfigError, DraftlineConfig, write_resolved
-from draftline.utils import atomic_write_json, read_json, redact_uri_credentials, stable_hash
+from draftline.utils import (
+    StorageFullError,
+    StorageFullSink,
+    atomic_write_json,
+    raise_if_storage_full,
+    read_json,
+    redact_uri_credentials,
+    stable_hash,
+)
 
 RESULT_FILE = "train_result.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
@@ -255,7 +264,13 @@ def _best_checkpoint(result, score_metric: str):
     return max(candidates, key=lambda item: item[1][score_metric])
 
 
+def checkpoint_storage_path(cfg: DraftlineConfig) -> str:
+    return cfg.train.storage_uri or str(cfg.data_path("ray", "train"))
+
+
 def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str):
+    """trainer.fit(); a full disk in any worker raises StorageFullError with that worker's one line."""
+    import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -265,23 +280,31 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str):
     resources_per_worker = {"CPU": train_cfg.cpus_per_worker}
     if train_cfg.use_gpu:
         resources_per_worker["GPU"] = 1
+    storage_full_sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={**loop_config, "storage_full_sink": storage_full_sink,
+                           "checkpoint_location": f"{checkpoint_storage_path(cfg).rstrip('/')}/{run_name}"},
         torch_config=TorchConfig(backend=train_cfg.backend),
         scaling_config=ScalingConfig(
             num_workers=train_cfg.num_workers, use_gpu=train_cfg.use_gpu, resources_per_worker=resources_per_worker
         ),
         run_config=RunConfig(
             name=run_name,
-            storage_path=train_cfg.storage_uri or str(cfg.data_path("ray", "train")),
+            storage_path=checkpoint_storage_path(cfg),
             failure_config=FailureConfig(max_failures=train_cfg.max_failures),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=2, checkpoint_score_attribute=SCORE_METRIC, checkpoint_score_order="max"
             ),
         ),
     )
-    return trainer.fit()
+    try:
+        return trainer.fit()
+    finally:
+        storage_full = ray.get(storage_full_sink.messages.remote())
+        ray.kill(storage_full_sink)
+        if storage_full:  # the cause, whether fit() then returned (the retried group stops at once) or raised
+            raise StorageFullError(storage_full[0]) from None
 
 
 def train(
@@ -296,7 +319,7 @@ def train(
     from draftline.drafter.export import export_from_checkpoint
     from draftline.drafter.model import DrafterConfig
     from draftline.raycluster import ensure_ray
-    from draftline.tracking import register_export
+    from draftline.tracking import DRAFTER_ARTIFACT_PATH, register_export
     from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE
 
     inputs = check_inputs(cfg, hidden_dir, dataset_dir, target_dir)
@@ -336,11 +359,15 @@ def train(
     started = time.perf_counter()
     try:
         ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}")
+    except StorageFullError:
+        with contextlib.suppress(Exception):  # the tracking store may be on the same full disk: the line matters more
+            client.set_terminated(run_id, status="FAILED")
+        raise
     except Exception as err:
         client.set_terminated(run_id, status="FAILED")
         raise RuntimeError(
             f"training failed more than train.max_failures={cfg.train.max_failures} times ({err}). Checkpoints are "
-            f"kept under {cfg.train.storage_uri or cfg.data_path('ray', 'train')}/train-{train_hash}: fix the cause "
+            f"kept under {checkpoint_storage_path(cfg)}/train-{train_hash}: fix the cause "
             "and rerun the same command to resume from the last one"
         ) from err
     wall_s = time.perf_counter() - started
@@ -379,7 +406,10 @@ def train(
         SCORE_METRIC: f"{val_metrics[SCORE_METRIC]:.4f}",
         **{f"val_acc_{k}": f"{val_metrics[f'val_acc_{k}']:.4f}" for k in range(steps)},
     }
-    version = register_export(cfg, run_id, export_dir, tags=tags)
+    # Registered only after the whole export is uploaded: a full disk here leaves no version; a rerun uploads again.
+    with raise_if_storage_full(f"{client.get_run(run_id).info.artifact_uri}/{DRAFTER_ARTIFACT_PATH}",
+                               "data_dir (or tracking.artifact_location)"):
+        version = register_export(cfg, run_id, export_dir, tags=tags)
     summary = {"final_best_val_est_accept_len": val_metrics[SCORE_METRIC], "final_best_step": best_step,
                "train_wall_s": wall_s}
     final_step = int(ray_result.metrics.get("step", best_step)) if ray_result.metrics else best_step

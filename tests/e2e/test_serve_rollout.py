@@ -92,8 +92,8 @@ def _outcomes(results: list) -> tuple[list, Counter]:
 
 
 # vLLM's CPU build as the replicas' engine: one server per version, the new one started beside the old (serve.rollout
-# beside), so the load has to outlast a vLLM start-up; the interpreter is named because Serve replicas import
-# draftline from Ray's copy of it, not from this checkout.
+# beside), so the load has to outlast a vLLM start-up. The interpreter is named as a cluster config names it (there a
+# replica imports draftline from Ray's copy of it, with no .venv-vllm beside it).
 BACKENDS = {
     "reference": ([], MAX_LOAD_S),
     "vllm": (VLLM_TEST_OVERRIDES + [f"engine.vllm.python={REPO / '.venv-vllm' / 'bin' / 'python'}"], 240.0),

@@ -1,6 +1,6 @@
-"""vLLM-CPU bench tests (test_engine_vllm.py, test_vllm_twin.py): a drafter registered in a test-local MLflow store
-the way the train stage registers its export, benched through `draftline bench --version N` (the CLI, in this
-process) with vLLM and with the reference engine, and the checks both files make on the two reports.
+"""vLLM-CPU bench tests (test_engine_vllm.py, on the test target and on the qwen3-8b twin): a drafter registered in a
+test-local MLflow store the way the train stage registers its export, benched through `draftline bench --version N`
+(the CLI, in this process) with vLLM and with the reference engine, and the checks made on the two reports.
 
 One round at concurrency 1, greedy (the bench's default temperature, which checks losslessness): the bench starts one
 vLLM server per role (target alone, then target + the version's EAGLE-3 export), so the two start-ups are the cost.

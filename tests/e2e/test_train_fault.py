@@ -89,7 +89,13 @@ def test_a_full_checkpoint_disk_fails_in_one_line_without_training_again(ray_clu
     # One group trained and failed; Ray Train's retry started one more group that returned at once.
     assert train_workers() - workers_before == 2 * cfg.train.num_workers
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
-    (run,) = client.search_runs(client.get_experiment_by_name(cfg.tracking.experiment).experiment_id)
+    # This training's run, by the training hash its checkpoint directory is named after (in the full suite the
+    # experiment has held another run beside it once; which, was not established).
+    training_hash = re.search(r"/checkpoints/train-(\w+)", str(raised.value)).group(1)
+    experiment_id = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    runs = client.search_runs(experiment_id, filter_string=f"tags.training_hash = '{training_hash}'")
+    assert len(runs) == 1, [(r.info.run_name, r.info.status, r.data.tags) for r in runs]
+    (run,) = runs
     assert run.info.status == "FAILED"
     assert sorted(Counter(m.step for m in client.get_metric_history(run.info.run_id, "loss")).items()) == [
         (1, 1), (2, 1), (3, 1)], "no step may be trained twice"

@@ -325,17 +325,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _gate_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args, print_error
-    from draftline.registry import RegistryError
-
+    from draftline.cli import config_from_args
     from draftline.engines import with_engine_arg
 
     cfg = with_engine_arg(config_from_args(args), args)
-    try:
-        decision = run_gate(cfg, args.version)
-    except RegistryError as err:
-        print_error(err)
-        return 1
+    decision = run_gate(cfg, args.version)  # a RegistryError is cli.main's one line, exit 1
     for check in decision.checks:
         print(f"  [{check.outcome.upper() if not check.passed else 'pass'}] {check.name}: {check.detail}")
     print(f"gate {decision.verdict.upper()} for {cfg.registered_model_name} version {decision.version} after "

@@ -295,7 +295,7 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
 
 
 def _cmd(args) -> int:
-    from draftline.cli import config_from_args, print_error
+    from draftline.cli import config_from_args
 
     cfg = config_from_args(args)
     names = plan(cfg, args.from_stage, args.until)
@@ -311,17 +311,10 @@ def _cmd(args) -> int:
 
     # As this run was started, so the command can be pasted as is (`.venv/bin/draftline` after `make demo`).
     program = sys.argv[0] if os.path.basename(sys.argv[0]) == "draftline" else "draftline"
-    from draftline.registry import RegistryError
-    from draftline.serving.control import ServingError
-    from draftline.utils import StorageFullError
-
-    try:
-        summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until,
-                               start_command=start_command(program, args.config, list(args.overrides or []),
-                                                           local=not configured_ray_address(cfg)))
-    except (RegistryError, ServingError, StorageFullError) as err:
-        print_error(err)
-        return 1
+    # RegistryError, ServingError, StorageFullError...: cli.main prints the one line and exits 1.
+    summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until,
+                           start_command=start_command(program, args.config, list(args.overrides or []),
+                                                       local=not configured_ray_address(cfg)))
     if args.serve and "serve" in summary:
         from draftline.serving.control import block_until_interrupted
 

@@ -116,12 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(action, args: argparse.Namespace, *extra) -> int:
-    from draftline.cli import config_from_args, print_error
-    from draftline.serving.control import ServingError
+    from draftline.cli import config_from_args
 
-    try:
-        print(action(config_from_args(args), *extra))
-    except (RegistryError, ReleaseError, ServingError) as err:
-        print_error(err)
-        return 1
+    print(action(config_from_args(args), *extra))  # RegistryError, ReleaseError, ServingError: cli.main's one line
     return 0

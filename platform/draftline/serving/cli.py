@@ -7,25 +7,21 @@ import sys
 
 
 def _serve_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args, print_error
-    from draftline.registry import RegistryError
+    from draftline.cli import config_from_args
     from draftline.release import sync_serving_to_champion
-    from draftline.serving.control import ServingError, serve_champion
+    from draftline.serving.control import serve_champion
 
     cfg = config_from_args(args)
-    try:
-        if args.roll:
-            message = sync_serving_to_champion(cfg)
-            if message is None:
-                print(f"error: nothing is serving for data dir {cfg.data_dir}; start it with `draftline serve`",
-                      file=sys.stderr)
-                return 1
-            print(message)
-            return 0
-        url = serve_champion(cfg, blocking=not args.detach)
-    except (RegistryError, ServingError) as err:
-        print_error(err)
-        return 1
+    # RegistryError and ServingError are cli.main's one line, exit 1.
+    if args.roll:
+        message = sync_serving_to_champion(cfg)
+        if message is None:
+            print(f"error: nothing is serving for data dir {cfg.data_dir}; start it with `draftline serve`",
+                  file=sys.stderr)
+            return 1
+        print(message)
+        return 0
+    url = serve_champion(cfg, blocking=not args.detach)
     if args.detach:
         print(url)
     return 0

@@ -2,17 +2,28 @@
 
     .venv/bin/python benchmarks/gate_repro.py --runs 5                     # configs/tiny-cpu.yaml
     .venv/bin/python benchmarks/gate_repro.py --runs 5 --drafter DIR       # gate an existing export
+    .venv/bin/python benchmarks/gate_repro.py --runs 5 --demo              # the whole demo, fresh data dir each
 
-The target and the dataset are the demo's (bootstrapped and prepared once, cached by hash). The drafter is a quick
-in-process fit (draftline.bench.quick_drafter) unless --drafter is given: this measures the gate, not training.
+Default: the target and the dataset are the demo's (bootstrapped and prepared once, cached by hash). The drafter is a
+quick in-process fit (draftline.bench.quick_drafter) unless --drafter is given: this measures the gate, not training.
 Each run registers the drafter as version 1 of a fresh MLflow store (so there is no champion, as in a fresh
-`make demo`) and runs `run_gate` with the config's gate section. Writes every run's verdict, rounds, intervals and
-machine load to benchmarks/gate_repro.json.
+`make demo`) and runs `run_gate` with the config's gate section.
+
+--demo: each run is `make demo`'s command, `draftline run --config CONFIG`, on a fresh empty data dir (bootstrap,
+prepare, extract, train, gate, promote, serve; nothing shared between runs), and the gate's record is read from that
+run's summary.json. This is the issue-14 figure: the demo's verdict, N times from nothing.
+
+Writes every run's verdict, rounds, intervals and machine load to --out (default benchmarks/gate_repro.json, or
+benchmarks/gate_repro_demo.json with --demo).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,15 +49,54 @@ def register(cfg, drafter_dir: Path) -> str:
     return register_version(cfg, run.info.run_id, "drafter")
 
 
+def demo_run(config: str, overrides: list[str], data_dir: Path) -> dict:
+    """One `draftline run` of the demo on an empty data dir; its gate record, stage times and wall time."""
+    shutil.rmtree(data_dir, ignore_errors=True)
+    command = [str(Path(sys.executable).with_name("draftline")), "run", "--config", config, *overrides,
+               f"data_dir={data_dir}"]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall_s = round(time.perf_counter() - started, 1)
+    summary_paths = list(data_dir.rglob("summary.json"))
+    if result.returncode != 0 or not summary_paths:
+        print(result.stdout[-4000:], flush=True)
+        raise SystemExit(f"[gate-repro] `{' '.join(command)}` exited {result.returncode}")
+    summary = json.loads(summary_paths[0].read_text())
+    gate = summary["gate"]["outputs"]
+    return {
+        "verdict": gate["verdict"], "rounds": gate["rounds"], "intervals": gate["intervals"],
+        "accept_length": gate["bench"]["accept_length"], "machine_load": gate["machine_load"],
+        "promoted": summary.get("promote", {}).get("outputs"), "wall_s": wall_s,
+        "stage_seconds": {name: round(stage["seconds"], 1) for name, stage in summary.items()},
+    }  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny-cpu.yaml"))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--drafter", help="drafter export dir (default: fit one quickly)")
     parser.add_argument("--fit-steps", type=int, default=300)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "gate_repro.json"))
+    parser.add_argument("--demo", action="store_true", help="run the whole demo on a fresh data dir each time")
+    parser.add_argument("--demo-root", default=str(REPO / ".draftline-gate-repro"),
+                        help="parent of the --demo runs' data dirs (each emptied before its run)")
+    parser.add_argument("--out")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
+    args.out = args.out or str(REPO / "benchmarks" / ("gate_repro_demo.json" if args.demo else "gate_repro.json"))
+    if args.demo:
+        runs = []
+        for index in range(args.runs):
+            run = {"run": index + 1, **demo_run(args.config, args.overrides, Path(args.demo_root) / f"run{index + 1}")}
+            runs.append(run)
+            print(f"[gate-repro] demo run {index + 1}: {run['verdict']} after {run['rounds']} rounds, intervals "
+                  f"{run['intervals']}, load {run['machine_load']}, {run['wall_s']} s", flush=True)  # fmt: skip
+            atomic_write_json(args.out, {"config": args.config, "overrides": args.overrides, "mode": "demo",
+                                         "gate": load_config(args.config, args.overrides).gate.model_dump(),
+                                         "host_cpus": os.cpu_count(), "runs": runs})  # fmt: skip
+        verdicts = {run["verdict"] for run in runs}
+        print(f"[gate-repro] {len(runs)} demo runs, verdicts {sorted(verdicts)}")
+        return 0 if len(verdicts) == 1 else 1
 
     torch.set_num_threads(1)
     base_cfg = load_config(args.config, args.overrides)

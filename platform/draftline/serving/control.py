@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from draftline.config import DraftlineConfig
+from draftline.config import DraftlineConfig, shown_config
 from draftline.serving.app import APP_NAME, auth_token_sha256_from_env, build_app
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.served_model import ServedModel, resolve_served_model
@@ -51,7 +51,10 @@ def app_config(cfg: DraftlineConfig, served: ServedModel) -> dict[str, Any]:
         "name": APP_NAME,
         "route_prefix": "/",
         "import_path": APP_BUILDER_IMPORT_PATH,
-        "args": {"config": cfg.model_dump(mode="json"), "auth_token_sha256": auth_token_sha256_from_env(cfg)},
+        # Serve stores and shows args (dashboard, `serve status`): the config with credentials redacted, the served
+        # version (so the app builder never needs the registry's credentials) and only the API token's sha256.
+        "args": {"config": shown_config(cfg), "served": served.model_dump(),
+                 "auth_token_sha256": auth_token_sha256_from_env(cfg)},
         "deployments": [{"name": ENGINE_DEPLOYMENT, "user_config": served.model_dump()}],
     }
 

@@ -83,6 +83,11 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def config_params(cfg: DraftlineConfig) -> dict[str, str]:
+    """The config as MLflow params of a training run (credentials in URIs redacted)."""
+    return flatten(shown_config(cfg))
+
+
 @dataclass
 class TrainInputs:
     """Everything the workers need, checked on the driver before any worker starts."""
@@ -209,7 +214,7 @@ def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash:
     )
     run_id = run.info.run_id
     params = {
-        **flatten(shown_config(cfg)),
+        **config_params(cfg),
         "inputs.training_hash": train_hash,
         "inputs.target_dir": str(inputs.target_dir),
         "inputs.target_fingerprint": inputs.target_fingerprint,

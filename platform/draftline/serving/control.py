@@ -1,7 +1,8 @@
 """Starting Serve, finding what it serves, and rolling it to a given version.
 
 - `serve_champion(cfg)`: start Serve on serve.host/port and deploy the app *declaratively* (the path of
-  `serve deploy`): import path `draftline.serving.app:app_builder`, args = the resolved config, and the
+  `serve deploy`): import path `draftline.serving.app:app_builder`, args = the resolved config (credentials
+  redacted), the served version and the API token's sha256, and the
   engine deployment's `user_config` = the champion. Writes `<data_dir>/serve/state.json` so other processes
   (`draftline promote`, `draftline serve --roll`) can find the cluster.
 - `serving_now(cfg)`: the version a running app serves (None when nothing serves for this data dir).

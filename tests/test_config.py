@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -129,11 +130,54 @@ def test_nothing_shipped_points_users_at_a_design_md_they_do_not_have():
     assert citing == []
 
 
-def test_mlflow_params_never_carry_credentials_from_a_uri():
-    """Fault 12: tracking.tracking_uri was logged verbatim as an MLflow param."""
-    from draftline.train.run import flatten
+SECRET_URI = "https://alice:s3cret@mlflow.example:5000/x?token=t0k3n&api_key=k3y&workspace=1"
+SHOWN_URI = "https://alice:***@mlflow.example:5000/x?token=***&api_key=***&workspace=1"
 
-    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["tracking.tracking_uri=https://alice:s3cret@mlflow.example:5000/x"])
-    params = flatten(cfg.model_dump(mode="json"))
-    assert params["tracking.tracking_uri"] == "https://alice:***@mlflow.example:5000/x"
-    assert not any("s3cret" in value for value in params.values())
+
+def test_credentials_in_a_uri_never_reach_params_files_console_or_serve(tmp_path):
+    """Fault 12: tracking.tracking_uri was logged verbatim as an MLflow param; it was also written verbatim to
+    resolved_config.yaml beside outputs, printed by --dry-run, named in registry errors and stored in Serve's app
+    config (the dashboard shows it). One rule (utils.redact_uri_credentials), applied by config.shown_config."""
+    from draftline.config import write_resolved
+    from draftline.serving.control import app_config
+    from draftline.serving.served_model import ServedModel
+    from draftline.train.run import config_params
+
+    override = f"tracking.tracking_uri={SECRET_URI}"
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", [override])
+    secrets = ("s3cret", "t0k3n", "k3y")
+
+    params = config_params(cfg)
+    assert params["tracking.tracking_uri"] == SHOWN_URI
+
+    written = write_resolved(cfg, tmp_path).read_text()
+    assert SHOWN_URI in written
+    assert load_config(tmp_path / "resolved_config.yaml").tracking.tracking_uri == SHOWN_URI
+
+    assert cfg.mlflow_tracking_uri_shown == SHOWN_URI and cfg.mlflow_tracking_uri == SECRET_URI  # MLflow gets it whole
+
+    served = ServedModel(registered_model=cfg.registered_model_name, model_version="1", export_dir=str(tmp_path))
+    stored = json.dumps(app_config(cfg, served))
+
+    dry_run = subprocess.run([sys.executable, "-m", "draftline.cli", "run", "--dry-run", "-c",
+                              str(REPO / "configs" / "tiny-cpu.yaml"), override, f"data_dir={tmp_path}"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert dry_run.returncode == 0, dry_run.stderr[-2000:]
+    assert SHOWN_URI in dry_run.stdout
+    for secret in secrets:
+        assert not any(secret in value for value in params.values())
+        assert secret not in written and secret not in stored
+        assert secret not in dry_run.stdout + dry_run.stderr
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("postgresql://mlflow:pa55@db:5432/mlflow", "postgresql://mlflow:***@db:5432/mlflow"),
+    ("https://h/p?X-Amz-Signature=abc&X-Amz-Credential=c&keep=1", "https://h/p?X-Amz-Signature=***&X-Amz-Credential=***&keep=1"),
+    ("https://blob.example/c?sv=2022&sig=abc%3D", "https://blob.example/c?sv=2022&sig=***"),
+    ("databricks://profile", "databricks://profile"),
+    ("sqlite:////data/mlflow.db", "sqlite:////data/mlflow.db"),
+])
+def test_the_redaction_rule(uri, shown):
+    from draftline.utils import redact_uri_credentials
+
+    assert redact_uri_credentials(uri) == shown

@@ -173,3 +173,26 @@ def test_bearer_token_is_checked_against_its_hash(validator):
         assert _api_error(lambda: validator.authorize(request({"Authorization": "Basic s3cret"}))).status == 401
     finally:
         validator.auth_token_sha256 = None
+
+
+def test_the_api_token_or_only_its_sha256_enables_auth(monkeypatch):
+    """Fault 12: serve_config.yaml told users to put the raw token in runtime_env env_vars, which reach every
+    replica's environment and the dashboard. The app now also takes the sha256 from <auth_token_env>_SHA256."""
+    from draftline.config import ConfigError, load_config
+    from draftline.serving.app import auth_token_sha256_env, auth_token_sha256_from_env
+    from draftline.serving.openai_api import token_hash
+
+    cfg = load_config(None, ["serve.auth_token_env=DRAFTLINE_TEST_TOKEN"])
+    monkeypatch.delenv("DRAFTLINE_TEST_TOKEN", raising=False)
+    monkeypatch.delenv(auth_token_sha256_env(cfg), raising=False)
+    assert auth_token_sha256_from_env(cfg) is None
+    monkeypatch.setenv(auth_token_sha256_env(cfg), token_hash("s3cret").upper())
+    assert auth_token_sha256_from_env(cfg) == token_hash("s3cret")
+    monkeypatch.setenv("DRAFTLINE_TEST_TOKEN", "other")
+    assert auth_token_sha256_from_env(cfg) == token_hash("other")  # the token itself, where it is set, wins
+    monkeypatch.delenv("DRAFTLINE_TEST_TOKEN")
+    monkeypatch.setenv(auth_token_sha256_env(cfg), "s3cret")
+    with pytest.raises(ConfigError, match="DRAFTLINE_TEST_TOKEN_SHA256 must be the sha256"):
+        auth_token_sha256_from_env(cfg)
+    commented = (Path(__file__).parents[1] / "serve" / "serve_config.yaml").read_text()
+    assert "DRAFTLINE_API_TOKEN_SHA256" in commented and "DRAFTLINE_API_TOKEN:" not in commented

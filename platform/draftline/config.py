@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from draftline.utils import atomic_write_text
+from draftline.utils import atomic_write_text, redact_uri_credentials
 
 
 class Strict(BaseModel):
@@ -423,6 +423,11 @@ class DraftlineConfig(Strict):
         return self.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.data_path('mlflow.db')}"
 
     @property
+    def mlflow_tracking_uri_shown(self) -> str:
+        """The tracking URI as messages may show it (credentials redacted)."""
+        return redact_uri_credentials(self.mlflow_tracking_uri)
+
+    @property
     def mlflow_artifact_location(self) -> str:
         return self.tracking.artifact_location or self.data_path("mlruns").as_uri()
 
@@ -567,8 +572,22 @@ def check_data_dir(config: DraftlineConfig) -> Path:
     return path
 
 
+def shown_config(config: DraftlineConfig) -> dict:
+    """The config as it may be logged, printed or written (MLflow params, resolved_config.yaml, --dry-run, Serve's
+    stored app config): every string with credentials in a URI redacted (`redact_uri_credentials`)."""
+
+    def redacted(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: redacted(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [redacted(item) for item in value]
+        return redact_uri_credentials(value) if isinstance(value, str) else value
+
+    return redacted(config.model_dump(mode="json"))
+
+
 def config_to_yaml(config: DraftlineConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(shown_config(config), sort_keys=False)
 
 
 def write_resolved(config: DraftlineConfig, directory: str | os.PathLike) -> Path:

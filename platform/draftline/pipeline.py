@@ -6,12 +6,12 @@ Each stage records what it was run on (a hash of its config sections and its ups
 in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
 is skipped, so a rerun after a failure continues where it stopped; `--from STAGE` forces that stage and what follows.
 A stage whose output is a process (serve: a live endpoint) also has to be running now, for this run, to be skipped.
-Each stage's output also goes to `<...>/logs/<stage>.log`; the final report is printed and written as report.md.
+Each stage's output goes to `<...>/logs/<stage>.log`, and only draftline's own lines also to the terminal
+(draftline.stagelog); the final report is printed and written as report.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
+from draftline.stagelog import stage_log
 from draftline.utils import atomic_write_json, read_json, stable_hash
 
 
@@ -172,40 +173,6 @@ def _record_is_valid(record: dict, key: str, stage: Stage) -> bool:
     return all(p in out and (str(out[p]).startswith(("s3://", "gs://")) or Path(out[p]).exists()) for p in stage.output_paths)
 
 
-class _Tee:
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, data: str) -> int:
-        for s in self.streams:
-            s.write(data)
-            s.flush()
-        return len(data)
-
-    def flush(self) -> None:
-        for s in self.streams:
-            s.flush()
-
-    def isatty(self) -> bool:
-        return self.streams[0].isatty()
-
-    def fileno(self) -> int:
-        return self.streams[0].fileno()
-
-
-@contextlib.contextmanager
-def _stage_log(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as log:
-        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
-        out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
-        try:
-            yield
-        finally:
-            sys.stdout, sys.stderr = out, err
-
-
 def plan(cfg: DraftlineConfig, from_stage: str | None = None, until: str | None = None) -> list[str]:
     names = [s.name for s in STAGES if s.applies(cfg)]
     for flag, stage in (("--from", from_stage), ("--until", until)):
@@ -253,6 +220,7 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
     ctx = Context(cfg=cfg, keep_serving=keep_serving)
     summary: dict[str, dict] = {}
     forced = False
+    shown: set[str] = set()  # lines the terminal has shown in this run (draftline.stagelog)
     for stage in STAGES:
         if stage.name not in names:
             continue
@@ -272,7 +240,7 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
             continue
         console.rule(f"[bold]{stage.name}")
         started = time.monotonic()
-        with _stage_log(root / "logs" / f"{stage.name}.log"):
+        with stage_log(root / "logs" / f"{stage.name}.log", shown):
             outputs = stage.run(ctx)
         seconds = time.monotonic() - started
         ctx.outputs[stage.name] = outputs

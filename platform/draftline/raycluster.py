@@ -21,6 +21,8 @@ import contextlib
 import json
 import os
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 
 from draftline.config import DraftlineConfig
@@ -96,10 +98,10 @@ def _environment_for_ray_processes(hidden: tuple[str, ...]):
     """Set what Ray's processes must inherit (a pinned address) and hide what they must not (the serving API token,
     which only the driver needs: replicas get its hash). Ray's processes are forked during ray.init and keep that
     environment; the driver's own is restored afterwards."""
-    with _pinned_local_address():
+    with _pinned_local_address() as address:
         saved = {name: os.environ.pop(name) for name in hidden if name in os.environ}
         try:
-            yield
+            yield address
         finally:
             os.environ.update(saved)
 
@@ -120,7 +122,7 @@ def _pinned_local_address():
     saved = {name: os.environ.get(name) for name in pinned}
     os.environ.update(pinned)
     try:
-        yield
+        yield pinned["RAY_ADDRESS"]
     finally:
         for name, value in saved.items():
             if value is None:
@@ -194,10 +196,27 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pythonpath = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH", "")) if p)
     api_token_env = (cfg or DraftlineConfig()).serve.auth_token_env
-    with _environment_for_ray_processes(hidden=(api_token_env,)), _loopback_only_node():
+    with _environment_for_ray_processes(hidden=(api_token_env,)) as address, _loopback_only_node():
         _init_local(ray, num_cpus or (cfg.ray.num_cpus if cfg else None), pythonpath)
+    _start_reaper(address)
     _ray_mode = "local"
     return _ray_mode
+
+
+_reaper: subprocess.Popen | None = None
+
+
+def _start_reaper(address: str) -> None:
+    """Stop the local cluster at `address` when this process exits, even by SIGKILL (see draftline/reaper.py).
+
+    The reaper reads a pipe whose write end only this process holds (started after ray.init, so Ray's processes do
+    not inherit it), in a session of its own so that a Ctrl-C to the terminal's process group leaves it to clean up.
+    It needs nothing from this process's environment, and gets none of it (secrets included)."""
+    global _reaper
+    reaper_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+    port = address.rsplit(":", 1)[1]
+    _reaper = subprocess.Popen([sys.executable, "-I", reaper_script, port], stdin=subprocess.PIPE, env={},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _init_local(ray, num_cpus: int | None, pythonpath: str) -> None:

@@ -103,7 +103,7 @@ def get_version(cfg: DraftlineConfig, version: str | int, download: bool = True)
     except MlflowException as err:
         if _missing(err):
             raise RegistryError(
-                f"model {name} has no version {version} in {cfg.mlflow_tracking_uri}; list versions with the MLflow UI "
+                f"model {name} has no version {version} in {cfg.mlflow_tracking_uri_shown}; list versions with the MLflow UI "
                 "or train one (`draftline train`)"
             ) from None
         raise
@@ -134,7 +134,7 @@ def resolve_alias(cfg: DraftlineConfig, alias: str = CHAMPION, download: bool = 
     mv = _alias_version(client, name, alias)
     if mv is None:
         raise RegistryError(
-            f"model {name} has no alias {alias!r} in {cfg.mlflow_tracking_uri}; "
+            f"model {name} has no alias {alias!r} in {cfg.mlflow_tracking_uri_shown}; "
             f"gate a version (`draftline gate`) and promote it (`draftline promote --version N`)"
         )
     return _resolved(cfg, mv, download)
@@ -151,7 +151,7 @@ def latest_version(cfg: DraftlineConfig) -> str:
     name = cfg.registered_model_name
     versions = client.search_model_versions(f"name='{name}'")
     if not versions:
-        raise RegistryError(f"model {name} has no versions in {cfg.mlflow_tracking_uri}; train one first (`draftline train`)")
+        raise RegistryError(f"model {name} has no versions in {cfg.mlflow_tracking_uri_shown}; train one first (`draftline train`)")
     return str(max(int(mv.version) for mv in versions))
 
 

@@ -92,9 +92,17 @@ def split_of(key: str, val_fraction: float, bench_fraction: float) -> str:
     return "train"
 
 
+# A query parameter whose name says it holds a secret (`?token=`, `access_token`, `api_key`, Azure SAS `sig`,
+# `X-Amz-Signature`, `password`): its value is replaced.
+_SECRET_QUERY_PARAM = re.compile(
+    r"([?&;][^=&#\s]*(?:token|key|secret|passw|pwd|sig|credential|auth)[^=&#\s]*=)[^&#\s]*", re.IGNORECASE)
+_URI_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]*):[^@/\s]*@")
+
+
 def redact_uri_credentials(text: str) -> str:
-    """`https://user:secret@host/x` -> `https://user:***@host/x`: configs are logged to MLflow, credentials must not be."""
-    return re.sub(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]*):[^@/\s]*@", r"\1:***@", text)
+    """The one rule for credentials in URIs that draftline logs, prints or writes (the config, MLflow params, messages):
+    `https://user:secret@host/x?token=abc&b=1` -> `https://user:***@host/x?token=***&b=1`."""
+    return _SECRET_QUERY_PARAM.sub(r"\1***", _URI_PASSWORD.sub(r"\1:***@", text))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -125,3 +126,101 @@ def test_local_cluster_state_api_finds_its_own_cluster_beside_another(ray_cluste
     own = ray.get_runtime_context().get_node_id()
     assert ray.get(nodes_seen_here.remote()) == [own]
     assert "RAY_ADDRESS" not in os.environ, "the pinned address must not leak into the driver's own environment"
+
+
+# A driver that starts the local cluster as `draftline serve` would, with the serving API token in its environment,
+# runs a task and a listening actor (as Serve's HTTP proxy does), then waits until its stdin closes.
+LISTENING_DRIVER = """
+import json, os, socket, sys, ray
+from draftline.raycluster import ensure_ray
+ensure_ray(num_cpus=1)
+
+@ray.remote(num_cpus=0)
+def worker_pid_and_token():
+    return os.getpid(), os.environ.get("DRAFTLINE_API_TOKEN")
+
+@ray.remote(num_cpus=0)
+class Listener:
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+
+    def port(self):
+        return os.getpid(), self.sock.getsockname()[1]
+
+listener = Listener.remote()
+task_pid, task_token = ray.get(worker_pid_and_token.remote())
+actor_pid, port = ray.get(listener.port.remote())
+print("READY", json.dumps({"task_pid": task_pid, "task_token": task_token, "actor_pid": actor_pid, "port": port}),
+      flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def listening_driver():
+    """The driver subprocess with its processes (psutil, recursive children: GCS, raylet, agents, dashboard,
+    workers) and what it reported once ready."""
+    import psutil
+
+    token = "api-" + os.urandom(16).hex()
+    driver = subprocess.Popen([sys.executable, "-c", LISTENING_DRIVER], env={**os.environ, "DRAFTLINE_API_TOKEN": token},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    while not (lines and lines[-1].startswith("READY")) and (line := driver.stdout.readline()):
+        lines.append(line)
+    if not (lines and lines[-1].startswith("READY")):
+        driver.kill()
+        pytest.fail(f"driver did not start: {''.join(lines)[-2000:]}{driver.stderr.read()[-3000:]}")
+    ready = json.loads(lines[-1].split(" ", 1)[1])
+    cluster = psutil.Process(driver.pid).children(recursive=True)
+    yield driver, token, ready, cluster
+    if driver.poll() is None:
+        driver.stdin.close()
+        driver.wait(timeout=120)
+
+
+def test_no_process_of_the_local_cluster_holds_the_serving_api_token(listening_driver):
+    """Fault 12: the raw serving API token sat in every Ray worker's environment. Read from /proc/<pid>/environ of
+    each process of the cluster (what it was started with), the worker that ran a task and the actor included."""
+    driver, token, ready, cluster = listening_driver
+    pids = {p.pid for p in cluster}
+    assert {ready["task_pid"], ready["actor_pid"]} <= pids and len(pids) >= 6, (ready, pids)
+    with open(f"/proc/{driver.pid}/environ", "rb") as handle:
+        assert token.encode() in handle.read(), "the driver holds the token (it hashes it for the replicas)"
+    holding = []
+    for process in cluster:
+        with open(f"/proc/{process.pid}/environ", "rb") as handle:
+            if token.encode() in handle.read():
+                holding.append(" ".join(process.cmdline())[:120])
+    assert holding == []
+    assert ready["task_token"] is None
+
+
+def test_a_killed_driver_takes_its_local_cluster_along(listening_driver):
+    """Fault 7: after SIGKILL of the driver, Ray's dashboard and runtime-env agents stayed up and listening for 61 s
+    (they report the raylet's death to the dead GCS first, with a 60 s timeout). draftline's reaper stops them.
+    The bound below is generous for a loaded machine and still half of what the agents took without the reaper."""
+    import psutil
+
+    driver, _, ready, cluster = listening_driver
+    listening_before = {c.pid for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    assert ready["actor_pid"] in listening_before
+    assert len(listening_before & {p.pid for p in cluster}) >= 4  # GCS, raylet, agents, dashboard, the actor
+
+    driver.kill()
+    driver.wait()
+    def running(process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(running(p) for p in cluster) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    alive = [p for p in cluster if running(p)]
+    listening = {c.pid for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    assert [(p.pid, p.name()) for p in alive if p.pid in listening] == []
+    assert [(p.pid, p.name()) for p in alive] == []

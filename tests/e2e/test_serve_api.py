@@ -231,6 +231,18 @@ def test_requests_without_the_token_get_401(served):
         openai_client(url, token="nope").models.list()
 
 
+def test_no_api_description_is_served_with_or_without_the_token(served, auth):
+    """Fault 12: /docs, /redoc and /openapi.json (FastAPI's defaults) answered without the bearer token while auth
+    was on. They are off (the API is docs/serving.md); the routes they would describe still need the token."""
+    _, url, _ = served
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        for headers in ({}, auth):
+            response = httpx.get(f"{url}{path}", headers=headers, timeout=60)
+            assert response.status_code == 404, (path, bool(headers), response.status_code, response.text[:200])
+            assert "openapi" not in response.text.lower() and "swagger" not in response.text.lower()
+    assert httpx.get(f"{url}/v1/models", timeout=60).status_code == 401
+
+
 def test_overload_gets_503_with_retry_after(served, auth):
     """1 running + 1 queued per engine replica: a burst of 10 long requests must see 503s, not an endless queue."""
     cfg, url, _ = served

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 from ray.serve.config import BackpressureConfig
 
-from draftline.config import DraftlineConfig
+from draftline.config import ConfigError, DraftlineConfig
 from draftline.serving.engine_server import EngineServer
 from draftline.serving.openai_api import Ingress, token_hash
 from draftline.serving.served_model import ServedModel, resolve_served_model
@@ -17,13 +18,30 @@ APP_NAME = "draftline"
 _FROM_ENV = object()
 
 
-def auth_token_sha256_from_env(cfg: DraftlineConfig) -> Optional[str]:
-    """sha256 of the bearer token in the env var named by serve.auth_token_env (None: auth off).
+def auth_token_sha256_env(cfg: DraftlineConfig) -> str:
+    """The env var that may hold the token's sha256 instead of the token: `<serve.auth_token_env>_SHA256`."""
+    return f"{cfg.serve.auth_token_env}_SHA256"
 
-    Only the hash travels to the replicas, so the token never appears in Serve's config or dashboard.
+
+def auth_token_sha256_from_env(cfg: DraftlineConfig) -> Optional[str]:
+    """sha256 of the bearer token in the env var named by serve.auth_token_env, else the sha256 itself from
+    `<serve.auth_token_env>_SHA256` (None: auth off).
+
+    Only the hash travels to the replicas, so the token never appears in Serve's config, the dashboard or a
+    replica's environment. Where the app is built inside the cluster (`serve run serve/serve_config.yaml`), the
+    runtime_env's env_vars reach every replica: that is where the _SHA256 variable belongs, not the token.
     """
     token = os.environ.get(cfg.serve.auth_token_env, "").strip()
-    return token_hash(token) if token else None
+    if token:
+        return token_hash(token)
+    name = auth_token_sha256_env(cfg)
+    digest = os.environ.get(name, "").strip().lower()
+    if not digest:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise ConfigError(f"{name} must be the sha256 of the API token as 64 hex digits, e.g. the first field of "
+                          f"`printf %s \"$TOKEN\" | sha256sum`; got {len(digest)} characters")
+    return digest
 
 
 def engine_options(cfg: DraftlineConfig, served: ServedModel) -> dict:
@@ -60,8 +78,10 @@ def build_app(cfg: DraftlineConfig, served: Optional[ServedModel] = None, auth_t
 
 
 def app_builder(args: dict):
-    """Serve application builder for declarative configs: args {"config": <resolved config>, "auth_token_sha256"}."""
+    """Serve application builder for declarative configs: args {"config": <resolved config>, "served" (optional: the
+    engine's user_config; default the registry champion), "auth_token_sha256"}."""
     if "config" not in args:
         raise ValueError("draftline app args need 'config' (a resolved draftline config mapping)")
     cfg = DraftlineConfig.model_validate(args["config"])
-    return build_app(cfg, auth_token_sha256=args.get("auth_token_sha256"))
+    served = ServedModel.model_validate(args["served"]) if args.get("served") else None
+    return build_app(cfg, served, auth_token_sha256=args.get("auth_token_sha256"))

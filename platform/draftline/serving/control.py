@@ -1,7 +1,8 @@
 """Starting Serve, finding what it serves, and rolling it to a given version.
 
 - `serve_champion(cfg)`: start Serve on serve.host/port and deploy the app *declaratively* (the path of
-  `serve deploy`): import path `draftline.serving.app:app_builder`, args = the resolved config, and the
+  `serve deploy`): import path `draftline.serving.app:app_builder`, args = the resolved config (credentials
+  redacted), the served version and the API token's sha256, and the
   engine deployment's `user_config` = the champion. Writes `<data_dir>/serve/state.json` so other processes
   (`draftline promote`, `draftline serve --roll`) can find the cluster.
 - `serving_now(cfg)`: the version a running app serves (None when nothing serves for this data dir).
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from draftline.config import DraftlineConfig
+from draftline.config import DraftlineConfig, shown_config
 from draftline.serving.app import APP_NAME, auth_token_sha256_from_env, build_app
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.served_model import ServedModel, resolve_served_model
@@ -51,7 +52,10 @@ def app_config(cfg: DraftlineConfig, served: ServedModel) -> dict[str, Any]:
         "name": APP_NAME,
         "route_prefix": "/",
         "import_path": APP_BUILDER_IMPORT_PATH,
-        "args": {"config": cfg.model_dump(mode="json"), "auth_token_sha256": auth_token_sha256_from_env(cfg)},
+        # Serve stores and shows args (dashboard, `serve status`): the config with credentials redacted, the served
+        # version (so the app builder never needs the registry's credentials) and only the API token's sha256.
+        "args": {"config": shown_config(cfg), "served": served.model_dump(),
+                 "auth_token_sha256": auth_token_sha256_from_env(cfg)},
         "deployments": [{"name": ENGINE_DEPLOYMENT, "user_config": served.model_dump()}],
     }
 

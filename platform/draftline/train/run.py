@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
-from draftline.config import ConfigError, DraftlineConfig, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, shown_config, write_resolved
 from draftline.utils import (
     StorageFullError,
     StorageFullSink,
     atomic_write_json,
     raise_if_storage_full,
     read_json,
-    redact_uri_credentials,
     stable_hash,
 )
 
@@ -80,8 +79,13 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict):
             flat.update(flatten(value, f"{name}."))
         else:
-            flat[name] = redact_uri_credentials(str(value))
+            flat[name] = str(value)
     return flat
+
+
+def config_params(cfg: DraftlineConfig) -> dict[str, str]:
+    """The config as MLflow params of a training run (credentials in URIs redacted)."""
+    return flatten(shown_config(cfg))
 
 
 @dataclass
@@ -210,7 +214,7 @@ def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash:
     )
     run_id = run.info.run_id
     params = {
-        **flatten(cfg.model_dump(mode="json")),
+        **config_params(cfg),
         "inputs.training_hash": train_hash,
         "inputs.target_dir": str(inputs.target_dir),
         "inputs.target_fingerprint": inputs.target_fingerprint,
@@ -224,7 +228,7 @@ def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash:
     items = [Param(key, value[:6000]) for key, value in sorted(params.items())]
     for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
         client.log_batch(run_id, params=items[start : start + 100])
-    atomic_write_json(record_path, {"run_id": run_id, "tracking_uri": cfg.mlflow_tracking_uri})
+    atomic_write_json(record_path, {"run_id": run_id, "tracking_uri": cfg.mlflow_tracking_uri_shown})
     return run_id
 
 
@@ -244,7 +248,7 @@ def _cached_result(cfg: DraftlineConfig, out_dir: Path) -> TrainResult | None:
         version = None
     if version is None or version.tags.get("training_hash") != result.training_hash:
         _log(f"{out_dir} finished before, but {cfg.registered_model_name} version {result.model_version} is not in "
-             f"{cfg.mlflow_tracking_uri}; exporting and registering again")
+             f"{cfg.mlflow_tracking_uri_shown}; exporting and registering again")
         (out_dir / RESULT_FILE).unlink()
         (out_dir / MLFLOW_RUN_FILE).unlink(missing_ok=True)
         return None

@@ -1,0 +1,114 @@
+"""A stage's output in `draftline run`: all of it to the stage log, only draftline's own lines to the terminal.
+
+Ray, Ray Train, DeepSpeed, MLflow and transformers write start-up and progress noise: Ray's own log lines, every line a
+Ray worker prints (forwarded with a `(Name pid=N)` prefix; draftline's worker lines too, which the driver sums up),
+MLflow's registry messages. Measured on `draftline run --until extract` (test target, bootstrap cached, load ~30):
+52 of the 89 terminal lines were such noise, and both worker lines of the extract stage were shown twice (Ray
+forwards them on stdout and on stderr). These go to the stage log only; the terminal keeps draftline's own lines,
+each shown once per run. A line is noise when it matches THIRD_PARTY_LINE (the one place for the rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, TextIO
+
+THIRD_PARTY_LINE = re.compile(
+    r"(\x1b\[[0-9;]*m)?\(((\w[\w.:-]*\s)?pid=\d+|raylet|autoscaler|gcs_server)"  # forwarded by Ray: (RayTrainWorker pid=12)
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(DEBUG|INFO|WARNING|ERROR)\s+\S+\.py:\d+ -- "  # Ray's logger
+    r"|\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) (mlflow|alembic)"  # MLflow's logger
+    r"|(INFO|WARNING)\s+\[alembic"  # MLflow's database migrations
+    r"|\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(INFO|WARNING|ERROR)\] \[\w+\.py:\d+"  # DeepSpeed's logger
+    r"|\[\d{4}-\d\d-\d\d [\d:,.]+ [IWEF] \d+ \d+\] "  # Ray's C++ core (glog format)
+    r"|(Successfully registered model|Created version '\d+' of model|Registered model) "  # MLflow registry prints
+)
+
+# Live displays (rich progress bars) redraw with these: such writes go through as they come.
+_REDRAW = ("\r", "\x1b[?", "\x1b[2K", "\x1b[1A")
+
+
+class StageStream:
+    """A file-like stream for sys.stdout / sys.stderr during a stage: the log gets every byte; the terminal gets
+    complete lines that are not THIRD_PARTY_LINE and were not shown before in this run (`shown`, shared by stdout,
+    stderr and every stage of a run), plus live redraws as they come."""
+
+    def __init__(self, terminal: TextIO, log: TextIO, shown: set[str]) -> None:
+        self.terminal, self.log, self.shown = terminal, log, shown
+        self._line = ""
+
+    def write(self, data: str) -> int:
+        self.log.write(data)
+        self.log.flush()
+        *complete, self._line = (self._line + data).split("\n")
+        for line in complete:
+            self._show(line + "\n")
+        if any(code in self._line for code in _REDRAW) and not THIRD_PARTY_LINE.match(self._line):
+            self.terminal.write(self._line)  # a live display redrawing: show it now, not at its next newline
+            self.terminal.flush()
+            self._line = ""
+        return len(data)
+
+    def _show(self, line: str) -> None:
+        if THIRD_PARTY_LINE.match(line) or (line.strip() and line in self.shown):
+            return
+        self.shown.add(line)
+        self.terminal.write(line)
+        self.terminal.flush()
+
+    def _flush_line(self) -> None:
+        if self._line:
+            self._show(self._line)
+            self._line = ""
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.terminal.flush()
+
+    def close_line(self) -> None:
+        self._flush_line()
+
+    def isatty(self) -> bool:
+        return self.terminal.isatty()
+
+    def fileno(self) -> int:
+        return self.terminal.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.terminal, "encoding", "utf-8")
+
+
+def _third_party_handlers(streams: tuple[TextIO, ...]) -> list[logging.StreamHandler]:
+    """StreamHandlers (not file handlers) that write to the terminal streams directly: Ray creates its handler
+    (PlainRayHandler) when it is imported, before any stage, bound to the sys.stderr of that moment."""
+    loggers = [logging.getLogger()] + [l for l in logging.Logger.manager.loggerDict.values() if isinstance(l, logging.Logger)]
+    return [h for lg in loggers for h in lg.handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) and h.stream in streams]
+
+
+@contextlib.contextmanager
+def stage_log(path: Path, shown: set[str]) -> Iterator[None]:
+    """Send a stage's stdout, stderr and logging handlers through StageStreams onto `path` (appended)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
+        out, err = sys.stdout, sys.stderr
+        stage_out, stage_err = StageStream(out, log, shown), StageStream(err, log, shown)
+        handlers = _third_party_handlers((out, err, sys.__stdout__, sys.__stderr__))
+        saved = [(h, h.stream) for h in handlers]
+        for handler, stream in saved:
+            handler.setStream(stage_err if stream in (err, sys.__stderr__) else stage_out)
+        sys.stdout, sys.stderr = stage_out, stage_err
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+            stage_out.close_line()
+            stage_err.close_line()
+            for handler, stream in saved:
+                handler.setStream(stream)

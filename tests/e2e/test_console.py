@@ -1,0 +1,42 @@
+"""The terminal of `draftline run`: draftline's own lines, once each; Ray's start-up and worker output in the stage
+log (draftline.stagelog). A real CLI run as a subprocess: real local Ray, real extraction into a tmp dir."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import REPO, TEST_CONFIG, config_overrides, make_test_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def test_a_stage_keeps_ray_noise_in_its_log_and_shows_each_line_once(tiny_dataset_dir, tmp_path):
+    """Issue 18, quiet console. Measured before: `draftline run --until extract` printed 89 terminal lines, 52 of them
+    Ray's (start-up, Ray Train's worker group, forwarded worker lines) and both extract worker lines twice."""
+    from draftline.pipeline import pipeline_dir
+
+    run = subprocess.run(
+        [sys.executable, "-m", "draftline.cli", "run", "--from", "extract", "--until", "extract",
+         # A fresh storage location: the extraction really runs (Ray Train, a worker that prints).
+         "--config", str(TEST_CONFIG), *config_overrides(extra=[f"extract.storage_uri={tmp_path / 'hidden'}"])],
+        capture_output=True, text=True, timeout=1800, cwd=REPO,
+    )
+    terminal = run.stdout + run.stderr
+    assert run.returncode == 0, terminal[-3000:]
+    lines = [line for line in terminal.splitlines() if line.strip()]
+
+    assert any(line.startswith("[extract] train:") for line in lines), terminal[-3000:]
+    assert "Started a local Ray instance" not in terminal
+    assert [line for line in lines if "pid=" in line] == []  # Ray's forwarded worker lines: (RayTrainWorker pid=N)
+    assert {line: n for line, n in Counter(lines).items() if n > 1} == {}
+
+    log = (pipeline_dir(make_test_config()) / "logs" / "extract.log").read_text()
+    this_run = log.rsplit("\n===== ", 1)[1]
+    print(f"terminal: {len(lines)} non-blank lines; extract.log for this run: {len(this_run.splitlines())} lines")
+    assert "Started a local Ray instance" in this_run
+    assert "pid=" in this_run  # the worker's forwarded lines
+    assert "[extract] train:" in this_run

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
 
@@ -25,6 +28,71 @@ def stop_serving() -> None:
     from ray import serve
 
     serve.shutdown()
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "Name a Python builtin."}], "max_tokens": 8, "temperature": 0}
+
+
+class FailedRequest(Exception):
+    """A request that got no 200: its HTTP status (None: no HTTP answer at all) and body."""
+
+    def __init__(self, status: Optional[int], body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status, self.body = status, body
+
+    @property
+    def openai_shaped(self) -> bool:
+        """The body is OpenAI's error shape {"error": {"message", "type", "param", "code"}} with a code."""
+        try:
+            error = json.loads(self.body)["error"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error) and bool(error["code"])
+
+
+async def _loop_load(url: str, stop: threading.Event, max_s: float, clients: int, body: dict) -> list:
+    """`clients` loops until `stop` or max_s; each result is (start_s, end_s, version or FailedRequest)."""
+    results: list[tuple[float, float, object]] = []
+    deadline = time.monotonic() + max_s
+
+    async def client() -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            while not stop.is_set() and time.monotonic() < deadline:
+                started = time.monotonic()
+                try:
+                    response = await http.post(f"{url}/v1/chat/completions", json=body)
+                    if response.status_code == 200:
+                        outcome: object = response.json()["draftline"]["model_version"]
+                    else:
+                        outcome = FailedRequest(response.status_code, response.text)
+                except httpx.HTTPError as err:
+                    outcome = FailedRequest(None, f"{type(err).__name__}: {err}")
+                results.append((started, time.monotonic(), outcome))
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return results
+
+
+@contextlib.contextmanager
+def under_load(url: str, max_s: float = 40.0, clients: int = 4, body: Optional[dict] = None) -> Iterator[list]:
+    """`clients` clients post chat completions to `url` for the with-block (max_s at most); the yielded list fills,
+    once the block ends, with (start_s, end_s, model version or FailedRequest) per request (time.monotonic)."""
+    stop = threading.Event()
+    results: list = []
+    load = threading.Thread(target=lambda: results.extend(asyncio.run(_loop_load(url, stop, max_s, clients, body or CHAT_BODY))))
+    load.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        load.join(timeout=max_s + 60)
+    assert not load.is_alive()
+
+
+def outcomes(results: list) -> tuple[list, Counter]:
+    """(failed requests, Counter of the versions that answered) of under_load's results."""
+    failures = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
+    return failures, Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
 
 
 @dataclass

@@ -17,6 +17,7 @@ from draftline.serving.openai_api import (
     ApiError,
     RequestValidator,
     StopMatcher,
+    replica_died,
     token_hash,
     validation_error,
 )
@@ -122,6 +123,15 @@ def test_blue_green_app_configs_are_accepted_by_serve(tiny_cfg):
     assert [(d.name, d.user_config) for d in engine_app.deployments] == [(ENGINE_DEPLOYMENT, served.model_dump())]
     with pytest.raises(ValueError, match="blue_green .* `draftline serve`"):
         build_app(cfg, served, auth_token_sha256=None)
+
+
+def test_a_dead_engine_replica_is_told_from_other_engine_errors():
+    """Only a replica that died (or cannot be reached) makes the ingress send a request again."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+    assert replica_died(ActorDiedError()) and replica_died(ActorUnavailableError("unreachable", None))
+    assert replica_died(RayTaskError("generate", "traceback", ActorDiedError()))
+    assert not replica_died(RuntimeError("engine is not loaded")) and not replica_died(RayTaskError("generate", "tb", ValueError("x")))
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "llama3.1-8b-4xgpu", "kimi-k2.5"])

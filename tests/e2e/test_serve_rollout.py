@@ -223,7 +223,7 @@ def test_blue_green_rollout_switches_sets_and_a_failed_set_changes_nothing(regis
     try:
         blue = {r["replica_id"] for r in engine_replicas()}
         assert active_engine_app() == ENGINE_APPS[0] and len(blue) == 2
-        with under_load(url, max_s=300) as results:
+        with under_load(url, max_s=1200) as results:
             time.sleep(3)
             started = time.monotonic()
             promote_and_roll(cfg, new)
@@ -233,7 +233,7 @@ def test_blue_green_rollout_switches_sets_and_a_failed_set_changes_nothing(regis
         green = {r["replica_id"] for r in engine_replicas()}
         assert len(green) == 2 and not green & blue
         champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
-        with under_load(url, max_s=300) as failed_roll_results:
+        with under_load(url, max_s=1200) as failed_roll_results:
             time.sleep(2)
             failing_started = time.monotonic()
             with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {new}.*registry is unchanged"):

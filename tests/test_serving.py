@@ -9,14 +9,15 @@ import yaml
 from pydantic import ValidationError
 
 from draftline.engines.base import SpecStats
-from draftline.serving.app import engine_options
-from draftline.serving.control import app_config
+from draftline.serving.app import ENGINE_APPS, build_app, engine_options
+from draftline.serving.control import app_config, engine_app_config
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.openai_api import (
     INGRESS_DEPLOYMENT,
     ApiError,
     RequestValidator,
     StopMatcher,
+    replica_died,
     token_hash,
     validation_error,
 )
@@ -105,6 +106,45 @@ def test_app_config_and_engine_options_are_accepted_by_serve(tiny_cfg):
     deployment = DeploymentSchema.model_validate({"name": ENGINE_DEPLOYMENT, **options})
     assert deployment.max_ongoing_requests == tiny_cfg.serve.max_ongoing_requests
     assert deployment.max_queued_requests == tiny_cfg.serve.max_queued_requests
+
+
+def test_blue_green_app_configs_are_accepted_by_serve(tiny_cfg):
+    """serve.rollout=blue_green: the ingress app names the engine set's app in its user_config; each set is an app of
+    its own with no HTTP route. `serve run` (imperative, one app) is refused with the fix."""
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = tiny_cfg.model_copy(update={"serve": tiny_cfg.serve.model_copy(update={"rollout": "blue_green"})})
+    served = ServedModel(registered_model="draftline-tiny-llama", model_version="3", export_dir="/x")
+    schema = ServeDeploySchema.model_validate(
+        {"applications": [app_config(cfg, served, ENGINE_APPS[1]), engine_app_config(cfg, served, ENGINE_APPS[1])]})
+    ingress_app, engine_app = schema.applications
+    assert [(d.name, d.user_config) for d in ingress_app.deployments] == [(INGRESS_DEPLOYMENT, {"engine_app": ENGINE_APPS[1]})]
+    assert engine_app.name == ENGINE_APPS[1] and engine_app.route_prefix is None
+    assert [(d.name, d.user_config) for d in engine_app.deployments] == [(ENGINE_DEPLOYMENT, served.model_dump())]
+    with pytest.raises(ValueError, match="blue_green .* `draftline serve`"):
+        build_app(cfg, served, auth_token_sha256=None)
+
+
+def test_a_dead_engine_replica_is_told_from_other_engine_errors():
+    """Only a replica that died (or cannot be reached) makes the ingress send a request again."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+    assert replica_died(ActorDiedError()) and replica_died(ActorUnavailableError("unreachable", None))
+    assert replica_died(RayTaskError("generate", "traceback", ActorDiedError()))
+    assert not replica_died(RuntimeError("engine is not loaded")) and not replica_died(RayTaskError("generate", "tb", ValueError("x")))
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "llama3.1-8b-4xgpu", "kimi-k2.5"])
+def test_gpu_production_configs_state_a_rollout_that_fits(name):
+    """SGLang fills mem_fraction_static of each GPU, so `beside` (two engines per replica) cannot fit; the config
+    states its strategy (with the arithmetic beside it), and drain_and_swap only with a second replica to answer."""
+    from draftline.config import load_config
+
+    path = REPO / "configs" / f"{name}.yaml"
+    cfg = load_config(path)
+    assert cfg.serve.gpus_per_replica >= 1 and cfg.engine.backend == "sglang"
+    assert f"rollout: {cfg.serve.rollout}" in path.read_text() and cfg.serve.rollout != "beside"
+    assert cfg.serve.rollout == "blue_green" or cfg.serve.num_replicas >= 2
 
 
 @pytest.fixture(scope="module")

@@ -377,10 +377,12 @@ class ServeConfig(Strict):
     allow_target_only: bool = Field(
         True, description="serve the target alone (model version 'target-only') when the registry has no champion"
     )
-    rollout: Literal["beside", "drain_and_swap"] = Field(
+    rollout: Literal["beside", "drain_and_swap", "blue_green"] = Field(
         "beside",
         description="beside: each replica starts the new engine next to the old (needs room for two); drain_and_swap: "
-        "one engine per replica, replaced after its requests finish (GPU replicas; use num_replicas >= 2)",
+        "one engine per replica, replaced after its requests finish (GPU replicas; use num_replicas >= 2); "
+        "blue_green: a second set of num_replicas replicas with the new version on spare capacity, traffic switched "
+        "when all are healthy, then the old set drains and stops (docs/serving.md)",
     )
     drain_timeout_s: float = Field(60, gt=0, description="how long a replaced engine may finish its in-flight requests")
     max_surge_percent: int = Field(

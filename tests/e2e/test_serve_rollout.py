@@ -6,14 +6,11 @@ and promoted with the registry; Serve runs on 127.0.0.1 in the session's local R
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,13 +21,12 @@ import pytest
 from conftest import REPO, TEST_OVERRIDES, VLLM_TEST_OVERRIDES, free_port
 from draftline.tracking import GATE_TAG
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
-from serve_helpers import start_serving, stop_serving
+from serve_helpers import CHAT_BODY as BODY, outcomes, start_serving, stop_serving, under_load
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 CLIENTS = 4
 MAX_LOAD_S = 40.0
-BODY = {"messages": [{"role": "user", "content": "Name a Python builtin."}], "max_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -45,50 +41,6 @@ def registry(ray_cluster, tmp_path_factory, tiny_target_dir):
     new = register_drafter(cfg, random_drafter(tiny_target_dir, seed=2), {GATE_TAG: "passed"})
     promote(cfg, old)
     return extra, old, new
-
-
-async def _load(url: str, stop: threading.Event, max_s: float) -> list[tuple[float, float, object]]:
-    """CLIENTS loops until `stop` or max_s; each result is (start_s, end_s, version or failure text)."""
-    results: list[tuple[float, float, object]] = []
-    deadline = time.monotonic() + max_s
-
-    async def client() -> None:
-        async with httpx.AsyncClient(timeout=120) as http:
-            while not stop.is_set() and time.monotonic() < deadline:
-                started = time.monotonic()
-                try:
-                    response = await http.post(f"{url}/v1/chat/completions", json=BODY)
-                    if response.status_code == 200:
-                        outcome: object = response.json()["draftline"]["model_version"]
-                    else:
-                        outcome = Exception(f"HTTP {response.status_code}: {response.text[:200]}")
-                except httpx.HTTPError as err:
-                    outcome = err
-                results.append((started, time.monotonic(), outcome))
-
-    await asyncio.gather(*(client() for _ in range(CLIENTS)))
-    return results
-
-
-@contextlib.contextmanager
-def _under_load(url: str, max_s: float = MAX_LOAD_S):
-    """CLIENTS clients load `url` for the duration of the with-block; the yielded list fills with _load's results."""
-    stop = threading.Event()
-    results: list = []
-    load = threading.Thread(target=lambda: results.extend(asyncio.run(_load(url, stop, max_s))))
-    load.start()
-    try:
-        yield results
-    finally:
-        stop.set()
-        load.join(timeout=max_s + 60)
-    assert not load.is_alive()
-
-
-def _outcomes(results: list) -> tuple[list, Counter]:
-    """(failures, versions that answered)"""
-    failures = [outcome for _, _, outcome in results if isinstance(outcome, Exception)]
-    return failures, Counter(outcome for _, _, outcome in results if not isinstance(outcome, Exception))
 
 
 # vLLM's CPU build as the replicas' engine: one server per version, the new one started beside the old (serve.rollout
@@ -111,7 +63,7 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     promote(cfg, old)
     url = start_serving(cfg)
     try:
-        with _under_load(url, max_load_s) as results:
+        with under_load(url, max_load_s, CLIENTS) as results:
             time.sleep(5)  # old version under load first
             roll_started = time.monotonic()
             message = promote_and_roll(cfg, new)
@@ -120,7 +72,7 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     finally:
         stop_serving()
 
-    failures, versions = _outcomes(results)
+    failures, versions = outcomes(results)
     late = Counter(outcome for started, _, outcome in results if started > rolled_at)
     print(
         f"{backend} rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
@@ -146,7 +98,7 @@ def test_drain_and_swap_rollout_with_two_replicas_loses_no_request(registry, tmp
     promote(cfg, old)
     url = start_serving(cfg)
     try:
-        with _under_load(url) as results:
+        with under_load(url) as results:
             time.sleep(3)
             started = time.monotonic()
             promote_and_roll(cfg, new)
@@ -158,7 +110,7 @@ def test_drain_and_swap_rollout_with_two_replicas_loses_no_request(registry, tmp
             time.sleep(2)
     finally:
         stop_serving()
-    failures, versions = _outcomes(results)
+    failures, versions = outcomes(results)
     slowest_s = max(end - start for start, end, _ in results)
     print(f"drain_and_swap, 2 replicas: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}, "
           f"promotion {promoted_s:.1f} s, rollback {rolled_back_s:.1f} s, slowest request {slowest_s:.1f} s")
@@ -236,7 +188,7 @@ def test_failed_roll_leaves_registry_and_serving_as_they_were(registry, tiny_tar
     champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
     url = start_serving(cfg)
     try:
-        with _under_load(url) as results:
+        with under_load(url) as results:
             time.sleep(3)
             with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {old}.*registry is unchanged"):
                 promote_and_roll(cfg, broken)
@@ -246,6 +198,62 @@ def test_failed_roll_leaves_registry_and_serving_as_they_were(registry, tiny_tar
         assert health["served"]["model_version"] == old and health["last_error"] is None
     finally:
         stop_serving()
-    failures, versions = _outcomes(results)
+    failures, versions = outcomes(results)
     print(f"failed roll to {broken}: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}")
     assert failures == [] and set(versions) == {old}
+
+
+def test_blue_green_rollout_switches_sets_and_a_failed_set_changes_nothing(registry, tiny_target_dir, tmp_path_factory):
+    """serve.rollout=blue_green, 2 replicas per set, under load: promotion brings up a second set with the new version
+    beside the old one, switches the ingress when all its replicas serve it, then the old set drains and is deleted;
+    0 requests fail and every request started after the promotion returned gets the new version. Then a version
+    whose engine cannot start: its set fails, is deleted, the serving set and the registry stay as they were."""
+    from draftline.registry import alias_version_number, promote
+    from draftline.release import ReleaseError, promote_and_roll
+    from draftline.serving.app import ENGINE_APPS
+    from draftline.serving.control import active_engine_app, engine_replicas
+
+    extra, old, new = registry
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [
+        f"serve.port={free_port()}", "serve.rollout=blue_green", "serve.num_replicas=2", "serve.cpus_per_replica=0.5"])
+    broken = register_drafter(cfg, random_drafter(tiny_target_dir, seed=4), {GATE_TAG: "passed"},
+                              damage=_config_that_does_not_fit_its_weights)
+    promote(cfg, old)
+    url = start_serving(cfg)
+    try:
+        blue = {r["replica_id"] for r in engine_replicas()}
+        assert active_engine_app() == ENGINE_APPS[0] and len(blue) == 2
+        with under_load(url, max_s=1200) as results:
+            time.sleep(3)
+            started = time.monotonic()
+            promote_and_roll(cfg, new)
+            rolled_at = time.monotonic()
+            time.sleep(3)
+        assert active_engine_app() == ENGINE_APPS[1] and not engine_replicas(ENGINE_APPS[0])
+        green = {r["replica_id"] for r in engine_replicas()}
+        assert len(green) == 2 and not green & blue
+        champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
+        with under_load(url, max_s=1200) as failed_roll_results:
+            time.sleep(2)
+            failing_started = time.monotonic()
+            with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {new}.*registry is unchanged"):
+                promote_and_roll(cfg, broken)
+            failing_s = time.monotonic() - failing_started
+            time.sleep(2)
+        assert (alias_version_number(cfg), alias_version_number(cfg, "previous")) == (champion, previous) == (new, old)
+        assert active_engine_app() == ENGINE_APPS[1] and {r["replica_id"] for r in engine_replicas()} == green
+        assert not engine_replicas(ENGINE_APPS[0])  # the failed set was deleted
+    finally:
+        stop_serving()
+    failures, versions = outcomes(results)
+    late = Counter(outcome for start, _, outcome in results if start > rolled_at)
+    failed_roll_failures, failed_roll_versions = outcomes(failed_roll_results)
+    print(f"blue_green, 2 replicas per set: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}, "
+          f"promotion {rolled_at - started:.1f} s, slowest request {max(e - s for s, e, _ in results):.1f} s, started "
+          f"after it: {dict(late)}; failed roll to {broken}: {len(failed_roll_results)} requests, "
+          f"{len(failed_roll_failures)} failed, versions {dict(failed_roll_versions)}, refused after {failing_s:.1f} s "
+          f"(load {open('/proc/loadavg').read().split()[:3]})")
+    assert failures == [] and failed_roll_failures == []
+    assert versions[old] > 0 and versions[new] > 0
+    assert late and set(late) == {new}, "a request started after the switch was answered by the old set"
+    assert set(failed_roll_versions) == {new}

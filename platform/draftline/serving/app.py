@@ -14,6 +14,9 @@ from draftline.serving.openai_api import Ingress, token_hash
 from draftline.serving.served_model import ServedModel, resolve_served_model
 
 APP_NAME = "draftline"
+# serve.rollout=blue_green: the engine replicas run as their own Serve app, one of these two; the ingress (in APP_NAME)
+# sends requests to the one its user_config names, and a rollout brings up the other beside it, then switches.
+ENGINE_APPS = (f"{APP_NAME}-engine-blue", f"{APP_NAME}-engine-green")
 
 _FROM_ENV = object()
 
@@ -59,21 +62,44 @@ def engine_options(cfg: DraftlineConfig, served: ServedModel) -> dict:
     }
 
 
-def build_app(cfg: DraftlineConfig, served: Optional[ServedModel] = None, auth_token_sha256: Any = _FROM_ENV):
-    """The Serve application for `cfg`: ingress -> engine. `served` defaults to the registry champion."""
+def build_engine_app(cfg: DraftlineConfig, served: Optional[ServedModel] = None):
+    """The engine deployment alone: one blue_green engine set (its own Serve app, no HTTP route)."""
+    return EngineServer.options(**engine_options(cfg, served or resolve_served_model(cfg))).bind(cfg.model_dump(mode="json"))
+
+
+def build_app(
+    cfg: DraftlineConfig,
+    served: Optional[ServedModel] = None,
+    auth_token_sha256: Any = _FROM_ENV,
+    engine_app: Optional[str] = None,
+):
+    """The Serve application for `cfg`: ingress -> engine. `served` defaults to the registry champion.
+
+    With serve.rollout=blue_green the app is the ingress alone; its user_config names the Serve app of the engine
+    set it sends requests to (`engine_app`, one of ENGINE_APPS, deployed beside it by control.serve_champion)."""
     config = cfg.model_dump(mode="json")
-    served = served or resolve_served_model(cfg)
     if auth_token_sha256 is _FROM_ENV:
         auth_token_sha256 = auth_token_sha256_from_env(cfg)
     # The ingress admits what the engines can run or queue, plus headroom for /healthz and /v1/models.
     engine_capacity = cfg.serve.num_replicas * (cfg.serve.max_ongoing_requests + max(cfg.serve.max_queued_requests, 0))
-    engine = EngineServer.options(**engine_options(cfg, served)).bind(config)
+    options: dict[str, Any] = {}
+    if cfg.serve.rollout == "blue_green":
+        if engine_app not in ENGINE_APPS:
+            raise ValueError(
+                "serve.rollout=blue_green runs the engine sets as Serve apps of their own beside the ingress: start "
+                "it with `draftline serve` (or serve_champion), not `serve run`; or set serve.rollout to beside or "
+                "drain_and_swap"
+            )
+        engine, options["user_config"] = None, {"engine_app": engine_app}
+    else:
+        engine = EngineServer.options(**engine_options(cfg, served or resolve_served_model(cfg))).bind(config)
     return Ingress.options(
         num_replicas=1,
         max_ongoing_requests=engine_capacity + 16,
         max_queued_requests=max(cfg.serve.max_queued_requests, 0) + 16,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.serve.retry_after_s),
         ray_actor_options={"num_cpus": cfg.serve.ingress_cpus_per_replica},
+        **options,
     ).bind(engine, config, auth_token_sha256)
 
 
@@ -84,4 +110,12 @@ def app_builder(args: dict):
         raise ValueError("draftline app args need 'config' (a resolved draftline config mapping)")
     cfg = DraftlineConfig.model_validate(args["config"])
     served = ServedModel.model_validate(args["served"]) if args.get("served") else None
-    return build_app(cfg, served, auth_token_sha256=args.get("auth_token_sha256"))
+    # blue_green: the engine set the ingress starts with; the deployed config's ingress user_config overrides it.
+    return build_app(cfg, served, auth_token_sha256=args.get("auth_token_sha256"), engine_app=ENGINE_APPS[0])
+
+
+def engine_app_builder(args: dict):
+    """Serve application builder of one blue_green engine set: args {"config": <resolved config>, "served": ServedModel}."""
+    if "config" not in args or "served" not in args:
+        raise ValueError("draftline engine app args need 'config' (a resolved draftline config mapping) and 'served'")
+    return build_engine_app(DraftlineConfig.model_validate(args["config"]), ServedModel.model_validate(args["served"]))

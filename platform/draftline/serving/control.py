@@ -8,8 +8,13 @@
 - `serving_now(cfg)`: the version a running app serves (None when nothing serves for this data dir).
 - `roll_to(cfg, served)`: re-apply the deployed app config with only the engine's user_config changed. Serve sees
   a user_config-only change and reconfigures the replicas in place; how a replica swaps engines is the rollout
-  strategy (serve.rollout, see engine_server.py). An app deployed imperatively (`serve run serve.app:app`) has no
-  stored config: it is redeployed with `serve.run`, which replaces replicas.
+  strategy (serve.rollout beside / drain_and_swap, see engine_server.py). An app deployed imperatively
+  (`serve run serve.app:app`) has no stored config: it is redeployed with `serve.run`, which replaces replicas.
+- serve.rollout=blue_green: the engine replicas are a Serve app of their own (one of app.ENGINE_APPS) and the
+  ingress's user_config names it. `roll_to` deploys the other one with the new version on spare capacity, waits
+  until every replica of it serves that version, switches the ingress (an in-place reconfigure), then deletes the
+  old set, whose replicas finish their requests first (graceful_shutdown_timeout_s = serve.drain_timeout_s). A new
+  set that fails is deleted; the old one never stopped serving.
 The registry never calls this module: draftline.release rolls serving first and moves the alias after.
 """
 
@@ -23,14 +28,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from draftline.config import DraftlineConfig, shown_config
-from draftline.serving.app import APP_NAME, auth_token_sha256_from_env, build_app
+from draftline.serving.app import APP_NAME, ENGINE_APPS, auth_token_sha256_from_env, build_app
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
+from draftline.serving.openai_api import INGRESS_DEPLOYMENT
 from draftline.serving.served_model import ServedModel, resolve_served_model
 from draftline.utils import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
 APP_BUILDER_IMPORT_PATH = "draftline.serving.app:app_builder"
+ENGINE_APP_BUILDER_IMPORT_PATH = "draftline.serving.app:engine_app_builder"
 
 
 class ServingError(RuntimeError):
@@ -46,8 +53,15 @@ def base_url(cfg: DraftlineConfig) -> str:
     return f"http://{host}:{cfg.serve.port}"
 
 
-def app_config(cfg: DraftlineConfig, served: ServedModel) -> dict[str, Any]:
-    """The declarative application config (a ServeApplicationSchema mapping), also what `serve deploy` takes."""
+def app_config(cfg: DraftlineConfig, served: ServedModel, engine_app: str = ENGINE_APPS[0]) -> dict[str, Any]:
+    """The declarative application config (a ServeApplicationSchema mapping), also what `serve deploy` takes.
+
+    serve.rollout=blue_green: the ingress alone, sending requests to the engine set in Serve app `engine_app`
+    (engine_app_config); `served` is then that set's business."""
+    if cfg.serve.rollout == "blue_green":
+        deployments = [{"name": INGRESS_DEPLOYMENT, "user_config": {"engine_app": engine_app}}]
+    else:
+        deployments = [{"name": ENGINE_DEPLOYMENT, "user_config": served.model_dump()}]
     return {
         "name": APP_NAME,
         "route_prefix": "/",
@@ -56,6 +70,17 @@ def app_config(cfg: DraftlineConfig, served: ServedModel) -> dict[str, Any]:
         # version (so the app builder never needs the registry's credentials) and only the API token's sha256.
         "args": {"config": shown_config(cfg), "served": served.model_dump(),
                  "auth_token_sha256": auth_token_sha256_from_env(cfg)},
+        "deployments": deployments,
+    }
+
+
+def engine_app_config(cfg: DraftlineConfig, served: ServedModel, name: str) -> dict[str, Any]:
+    """One blue_green engine set: Serve app `name` (one of ENGINE_APPS) serving `served`, with no HTTP route."""
+    return {
+        "name": name,
+        "route_prefix": None,
+        "import_path": ENGINE_APP_BUILDER_IMPORT_PATH,
+        "args": {"config": shown_config(cfg), "served": served.model_dump()},
         "deployments": [{"name": ENGINE_DEPLOYMENT, "user_config": served.model_dump()}],
     }
 
@@ -68,28 +93,52 @@ def _serve_client():
     return _get_global_client()
 
 
-def _apply(app: dict[str, Any]) -> None:
-    """Apply one app's config, keeping every other declaratively deployed app as it is."""
+def _apply(*apps: dict[str, Any], remove: tuple[str, ...] = ()) -> None:
+    """Apply these apps' configs and delete the apps named in `remove`, keeping every other declaratively deployed
+    app as it is."""
     from ray.serve.schema import ServeDeploySchema
 
     client = _serve_client()
     details = client.get_serve_details()
+    changed = {app["name"] for app in apps} | set(remove)
     others = [
         app_details["deployed_app_config"]
         for name, app_details in details.get("applications", {}).items()
-        if name != app["name"] and app_details.get("deployed_app_config")
+        if name not in changed and app_details.get("deployed_app_config")
     ]
-    client.deploy_apps(ServeDeploySchema(applications=others + [app]))
+    client.deploy_apps(ServeDeploySchema(applications=others + list(apps)))
 
 
 def _deployed_app(name: str = APP_NAME) -> Optional[dict[str, Any]]:
     return _serve_client().get_serve_details().get("applications", {}).get(name)
 
 
-def wait_until_serving(cfg: DraftlineConfig, wanted: ServedModel, timeout_s: Optional[float] = None) -> None:
-    """Wait for the app to run and every replica to report `wanted`; raise ServingError on a failed swap."""
+def active_engine_app() -> str:
+    """The Serve app whose engine replicas get new requests: APP_NAME itself, or with serve.rollout=blue_green the
+    engine set the ingress's user_config names."""
+    deployed = (_deployed_app() or {}).get("deployed_app_config") or {}
+    ingress = next((d for d in deployed.get("deployments", []) if d.get("name") == INGRESS_DEPLOYMENT), {})
+    return (ingress.get("user_config") or {}).get("engine_app") or APP_NAME
+
+
+def engine_replicas(app_name: Optional[str] = None) -> list[dict[str, Any]]:
+    """The engine replicas Serve knows of in `app_name` (default: the active set): replica_id, state, pid, node_id,
+    actor_id (Serve's details)."""
+    deployment = (_deployed_app(app_name or active_engine_app()) or {}).get("deployments", {}).get(ENGINE_DEPLOYMENT, {})
+    return [
+        {key: replica.get(key) for key in ("replica_id", "state", "pid", "node_id", "actor_id")}
+        for replica in deployment.get("replicas", [])
+    ]
+
+
+def wait_until_serving(
+    cfg: DraftlineConfig, wanted: ServedModel, timeout_s: Optional[float] = None, engine_app: Optional[str] = None
+) -> None:
+    """Wait for the app to run and every replica (of `engine_app`, default the active engine set) to report `wanted`;
+    raise ServingError on a failed swap."""
     from ray import serve
 
+    engine_app = engine_app or active_engine_app()
     timeout_s = timeout_s or cfg.serve.rollout_timeout_s
     deadline = time.monotonic() + timeout_s
     handle = None
@@ -98,13 +147,20 @@ def wait_until_serving(cfg: DraftlineConfig, wanted: ServedModel, timeout_s: Opt
     agreeing = 0
     last_seen: Any = None
     while time.monotonic() < deadline:
-        app = _deployed_app()
+        app = _deployed_app(engine_app)
         status = app and app["status"]
         if status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise ServingError(f"Serve app {APP_NAME} is {status}: {app.get('message', '')}")
+            message = app.get("message", "") or (app.get("deployments", {}).get(ENGINE_DEPLOYMENT) or {}).get("message", "")
+            raise ServingError(f"Serve app {engine_app} is {status}: {message[-2000:]}")
         deployment = (app or {}).get("deployments", {}).get(ENGINE_DEPLOYMENT, {})
+        # A new replica whose engine cannot load this version (EngineServer.reconfigure's error, in Serve's message
+        # on the deployment): Serve would start it twice more with the same files; fail now.
+        cannot_start = f"could not start version {wanted.model_version} "
+        failed = [line for line in (deployment.get("message") or "").splitlines() if cannot_start in line]
+        if failed:
+            raise ServingError(f"a replica of Serve app {engine_app} failed to start: {failed[-1].strip()[-600:]}")
         if status == "RUNNING" and deployment.get("status") == "HEALTHY":
-            handle = handle or serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME)
+            handle = handle or serve.get_deployment_handle(ENGINE_DEPLOYMENT, engine_app)
             state = handle.served.remote().result(timeout_s=30)
             last_seen = state
             served = state["served"]
@@ -118,7 +174,7 @@ def wait_until_serving(cfg: DraftlineConfig, wanted: ServedModel, timeout_s: Opt
                 raise ServingError(f"rollout to version {wanted.model_version} failed on a replica: {state['last_error']}")
         time.sleep(0.5)
     raise ServingError(
-        f"Serve app {APP_NAME} did not serve version {wanted.model_version} within {timeout_s:.0f} s "
+        f"Serve app {engine_app} did not serve version {wanted.model_version} within {timeout_s:.0f} s "
         f"(last replica answer: {last_seen}); see the Serve logs under the Ray session dir"
     )
 
@@ -167,8 +223,14 @@ def serve_champion(cfg: DraftlineConfig, blocking: bool = False) -> str:
     ray_mode = ensure_ray(cfg)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     served = resolve_served_model(cfg)
-    _apply(app_config(cfg, served))
-    wait_until_serving(cfg, served)
+    if cfg.serve.rollout == "blue_green":
+        _apply(engine_app_config(cfg, served, ENGINE_APPS[0]), app_config(cfg, served, ENGINE_APPS[0]),
+               remove=ENGINE_APPS[1:])
+        wait_until_serving(cfg, served, engine_app=ENGINE_APPS[0])
+        _wait_for_app(APP_NAME, cfg.serve.rollout_timeout_s)
+    else:
+        _apply(app_config(cfg, served))
+        wait_until_serving(cfg, served)
     _write_state(cfg, ray_mode)
     url = base_url(cfg)
     logger.info("serving %s version %s at %s/v1", served.registered_model, served.model_version, url)
@@ -186,7 +248,9 @@ def roll_to(cfg: DraftlineConfig, served: ServedModel, wait: bool = True) -> Ser
     if app is None:
         raise ServingError(f"no Serve app named {APP_NAME} is running on this Ray cluster; start it with `draftline serve`")
     deployed = app.get("deployed_app_config")
-    if deployed:
+    if cfg.serve.rollout == "blue_green":
+        _roll_blue_green(cfg, served, deployed)
+    elif deployed:
         deployed = dict(deployed)
         overrides = [d for d in deployed.get("deployments", []) if d.get("name") != ENGINE_DEPLOYMENT]
         engine = next((d for d in deployed.get("deployments", []) if d.get("name") == ENGINE_DEPLOYMENT), {})
@@ -198,6 +262,49 @@ def roll_to(cfg: DraftlineConfig, served: ServedModel, wait: bool = True) -> Ser
         wait_until_serving(cfg, served)
     logger.info("rolled %s to version %s", APP_NAME, served.model_version)
     return served
+
+
+def _wait_for_app(name: str, timeout_s: float, gone: bool = False) -> None:
+    """Wait until Serve app `name` is RUNNING (or, with `gone`, deleted); ServingError if it fails or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = _deployed_app(name)
+        if (app is None) if gone else (app is not None and app["status"] == "RUNNING"):
+            return
+        if not gone and app is not None and app["status"] in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise ServingError(f"Serve app {name} is {app['status']}: {app.get('message', '')[-2000:]}")
+        time.sleep(0.3)
+    raise ServingError(f"Serve app {name} was not {'deleted' if gone else 'RUNNING'} within {timeout_s:.0f} s")
+
+
+def _roll_blue_green(cfg: DraftlineConfig, served: ServedModel, deployed: Optional[dict[str, Any]]) -> None:
+    """serve.rollout=blue_green: the new set up beside the old, then the switch, then the old set drains and stops."""
+    active = active_engine_app()
+    if not deployed or active not in ENGINE_APPS:
+        raise ServingError(
+            f"Serve app {APP_NAME} was not deployed with serve.rollout=blue_green (its engine set is not an app of "
+            f"its own): restart it with `draftline serve` and this config, or roll with its own serve.rollout"
+        )
+    if serving_now(cfg) == served:  # e.g. a failed roll being undone: the old set never stopped serving
+        wait_until_serving(cfg, served, engine_app=active)
+        return
+    spare = next(name for name in ENGINE_APPS if name != active)
+    _apply(engine_app_config(cfg, served, spare))
+    try:
+        wait_until_serving(cfg, served, engine_app=spare)
+    except ServingError:
+        _apply(remove=(spare,))  # the new set goes; the old one never stopped serving
+        _wait_for_app(spare, cfg.serve.drain_timeout_s + 60, gone=True)
+        raise
+    switched = dict(deployed)
+    others = [d for d in deployed.get("deployments", []) if d.get("name") != INGRESS_DEPLOYMENT]
+    ingress = next((d for d in deployed.get("deployments", []) if d.get("name") == INGRESS_DEPLOYMENT), {})
+    switched["deployments"] = others + [{**ingress, "name": INGRESS_DEPLOYMENT, "user_config": {"engine_app": spare}}]
+    _apply(switched)
+    _wait_for_app(APP_NAME, cfg.serve.rollout_timeout_s)  # every ingress replica reconfigured: new requests go to spare
+    logger.info("switched %s from %s to %s; the old set drains", APP_NAME, active, spare)
+    _apply(remove=(active,))
+    _wait_for_app(active, cfg.serve.drain_timeout_s + 60, gone=True)
 
 
 def connect_to_serving(cfg: DraftlineConfig) -> bool:
@@ -257,6 +364,9 @@ def serving_now(cfg: DraftlineConfig) -> Optional[ServedModel]:
         return None
     if app is None:
         return None
+    engine_app = active_engine_app()
+    if engine_app != APP_NAME:  # blue_green: the engine set the ingress sends requests to
+        app = _deployed_app(engine_app) or {}
     deployments = (app.get("deployed_app_config") or {}).get("deployments", [])
     engine = next((d for d in deployments if d.get("name") == ENGINE_DEPLOYMENT), None)
     if engine and engine.get("user_config"):
@@ -264,7 +374,7 @@ def serving_now(cfg: DraftlineConfig) -> Optional[ServedModel]:
     from ray import serve
 
     # Deployed imperatively: ask a replica.
-    state = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME).served.remote().result(timeout_s=30)
+    state = serve.get_deployment_handle(ENGINE_DEPLOYMENT, engine_app).served.remote().result(timeout_s=30)
     return ServedModel.model_validate(state["user_config"])
 
 

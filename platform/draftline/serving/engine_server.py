@@ -9,6 +9,8 @@
 - serve.rollout=drain_and_swap instead holds one engine per replica at a time (GPU replicas, where a second copy
   of the target does not fit): new requests wait while running ones finish, then the engine is replaced; Serve
   reconfigures replicas a fraction at a time, so with num_replicas >= 2 the others keep answering meanwhile.
+- serve.rollout=blue_green needs nothing here: a replica serves one version for its life; a rollout is a new set
+  of replicas in a Serve app of its own (control.py).
 - `start_engine` is the one place an engine is constructed (reference, vLLM, SGLang via draftline.engines).
 """
 

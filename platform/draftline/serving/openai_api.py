@@ -23,6 +23,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from draftline.config import DraftlineConfig
 from draftline.engines.base import SamplingParams, SpecStats
+from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.metrics import IngressMetrics
 from draftline.serving.openai_schema import (
     ChatChoice,
@@ -258,6 +259,21 @@ class RequestValidator:
         return requested
 
 
+# How many times a request whose engine replica died before the client got anything is sent again.
+REPLICA_FAILURE_RETRIES = 2
+
+
+class _ReplicaDied(Exception):
+    """The engine replica of a request died before the client got anything (the request may run again)."""
+
+
+def replica_died(err: BaseException) -> bool:
+    """`err` (or the Ray task error's cause) says the engine replica's actor died or cannot be reached."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(err, RayActorError) or isinstance(getattr(err, "cause", None), RayActorError)
+
+
 # No /docs, /redoc or /openapi.json: they would answer without the bearer token; the API is docs/serving.md.
 fastapi_app = FastAPI(title="draftline", description="OpenAI-compatible speculative decoding endpoint",
                       docs_url=None, redoc_url=None, openapi_url=None)
@@ -269,10 +285,17 @@ class Ingress:
     """HTTP front: validation, auth, tokenization, streaming, metrics. Generation happens in the engine replicas."""
 
     def __init__(self, engine: Any, config: dict, auth_token_sha256: Optional[str] = None) -> None:
-        self._engine = engine
+        self._engine = engine  # None with serve.rollout=blue_green: reconfigure names the engine set's app
         self._cfg = DraftlineConfig.model_validate(config)
         self._requests = RequestValidator(self._cfg, auth_token_sha256)
         self._metrics = IngressMetrics()
+
+    def reconfigure(self, user_config: dict) -> None:
+        """serve.rollout=blue_green: {"engine_app": <Serve app of the engine set to send new requests to>}.
+
+        Switching is this in-place reconfigure: requests already sent finish on the set they went to."""
+        self._engine = serve.get_deployment_handle(ENGINE_DEPLOYMENT, user_config["engine_app"], _check_exists=False)
+        logger.info("sending requests to the engine set in Serve app %s", user_config["engine_app"])
 
     # -- routes -----------------------------------------------------------------------------------------------
 
@@ -316,31 +339,54 @@ class Ingress:
                 raise self._requests.too_large(int(declared))  # before reading the body
             # Off the event loop: tokenizing a long chat template must not stall /healthz and other requests.
             prepared = await asyncio.to_thread(self._requests.prepare, route, await request.body())
-            stream = self._engine.options(stream=True).generate.remote(prepared.prompt_ids, asdict(prepared.params))
-            first = await self._first_chunk(stream)
         except ApiError as err:
             self._metrics.record_status(route, err.status)
             return err.response()
-        if prepared.stream:
+        # A replica that dies (SIGKILL, OOM, its node lost) before the client got anything: the request runs again.
+        # Serve's router drops a replica once a call to it fails with ActorDiedError, so the retry goes to a live one
+        # (or waits for Serve's replacement when there was only one).
+        for attempt in range(REPLICA_FAILURE_RETRIES + 1):
+            last_try = attempt == REPLICA_FAILURE_RETRIES
+            try:
+                stream = self._engine.options(stream=True).generate.remote(prepared.prompt_ids, asdict(prepared.params))
+                first = await self._first_chunk(stream, retry=not last_try)
+            except _ReplicaDied:
+                logger.warning("request %s: the engine replica died before answering; retrying", prepared.request_id)
+                continue
+            except ApiError as err:
+                self._metrics.record_status(route, err.status)
+                return err.response()
+            if prepared.stream:  # after the first SSE event, a replica failure is reported in-band (_sse)
+                self._metrics.record_status(route, 200)
+                return StreamingResponse(
+                    self._sse(prepared, stream, first, started_s),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            try:
+                result = await self._collect(prepared, stream, first, started_s)
+            except Exception as err:  # noqa: BLE001 - e.g. the replica died mid-request: still an OpenAI-shaped answer
+                if replica_died(err) and not last_try:
+                    logger.warning("request %s: the engine replica died while generating; retrying", prepared.request_id)
+                    continue
+                logger.exception("request %s failed after it started", prepared.request_id)
+                error = self._engine_failed()
+                self._metrics.record_status(route, error.status)
+                return error.response()
             self._metrics.record_status(route, 200)
-            return StreamingResponse(
-                self._sse(prepared, stream, first, started_s),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        try:
-            result = await self._collect(prepared, stream, first, started_s)
-        except Exception:  # noqa: BLE001 - e.g. the replica died mid-request: still an OpenAI-shaped answer
-            logger.exception("request %s failed after it started", prepared.request_id)
-            error = ApiError(503, "the engine replica failed while generating; retry the request", "server_error",
-                             code="engine_failed", headers=self._retry_after())
-            self._metrics.record_status(route, error.status)
-            return error.response()
-        self._metrics.record_status(route, 200)
-        return JSONResponse(result)
+            return JSONResponse(result)
+        error = self._engine_failed()
+        self._metrics.record_status(route, error.status)
+        return error.response()
 
-    async def _first_chunk(self, stream: Any) -> dict:
-        """Wait for the first chunk so overload and engine errors become status codes, not broken streams."""
+    def _engine_failed(self) -> ApiError:
+        return ApiError(503, "the engine replica failed while generating; retry the request", "server_error",
+                        code="engine_failed", headers=self._retry_after())
+
+    async def _first_chunk(self, stream: Any, retry: bool = False) -> dict:
+        """Wait for the first chunk so overload and engine errors become status codes, not broken streams.
+
+        A dead replica raises _ReplicaDied when `retry` (the caller sends the request again), else 503 engine_failed."""
         try:
             return await stream.__anext__()
         except BackPressureError as err:
@@ -354,6 +400,10 @@ class Ingress:
             cause = getattr(err, "cause", None)
             if isinstance(cause, BackPressureError):
                 raise self._overloaded(str(cause)) from None
+            if replica_died(err):
+                if retry:
+                    raise _ReplicaDied() from None
+                raise self._engine_failed() from None
             # The full error (replica, node, paths) goes to the Serve log only; the client gets one clean line.
             logger.exception("engine request failed")
             raise ApiError(500, f"the engine failed ({type(cause or err).__name__}); the error is in the Serve "
@@ -451,7 +501,10 @@ class Ingress:
                     yield event(CompletionChunk(**common, choices=[CompletionChoice(text=text, finish_reason=reason)]))
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band like OpenAI does
             logger.exception("stream %s failed", prepared.request_id)
-            error = ErrorResponse(error=ErrorBody(message=f"generation failed: {err}", type="server_error"))
+            # One clean line: the Ray error names the replica, node and paths (those go to the Serve log only).
+            failed = "the engine replica failed" if replica_died(err) else f"generation failed ({type(err).__name__})"
+            error = ErrorResponse(error=ErrorBody(message=f"{failed}; retry the request", type="server_error",
+                                                  code="engine_failed"))
             yield f"data: {error.model_dump_json()}\n\n"
             return
         if prepared.include_usage:

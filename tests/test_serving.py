@@ -134,6 +134,77 @@ def test_a_dead_engine_replica_is_told_from_other_engine_errors():
     assert not replica_died(RuntimeError("engine is not loaded")) and not replica_died(RayTaskError("generate", "tb", ValueError("x")))
 
 
+def _run_asgi(middleware, body: bytes, disconnect_after_body: bool = False) -> list[dict]:
+    """Run one POST through `middleware`; the messages it sent to the client."""
+    import asyncio
+
+    sent: list[dict] = []
+    incoming = [{"type": "http.request", "body": body[:3], "more_body": True},
+                {"type": "http.request", "body": body[3:], "more_body": False}]
+
+    async def receive():
+        if incoming:
+            return incoming.pop(0)
+        if disconnect_after_body:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(middleware(scope, receive, send))
+    return sent
+
+
+def _proxy_app(unanswered: int, bodies: list[bytes], read_disconnect: bool = False):
+    """Ray's proxy as the middleware sees it: returns without a response (its ingress replica died) `unanswered`
+    times, then answers 200 with the body it read."""
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        bodies.append(body)
+        if read_disconnect:
+            await receive()
+        if len(bodies) <= unanswered:
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def test_the_proxy_sends_an_unanswered_request_again_with_its_body():
+    """serving/proxy_replay.py: the request runs again, with the whole body, until the proxy answers."""
+    from draftline.serving.proxy_replay import ReplayUnansweredRequests
+
+    bodies: list[bytes] = []
+    sent = _run_asgi(ReplayUnansweredRequests(_proxy_app(2, bodies), retry_s=30), b'{"messages": []}')
+    assert bodies == [b'{"messages": []}'] * 3
+    assert [m.get("status") for m in sent] == [200, None] and sent[1]["body"] == b'{"messages": []}'
+
+
+def test_the_proxy_gives_up_with_an_openai_shaped_503_and_not_for_a_gone_client():
+    import json
+
+    from draftline.serving.proxy_replay import ReplayUnansweredRequests
+
+    bodies: list[bytes] = []
+    sent = _run_asgi(ReplayUnansweredRequests(_proxy_app(99, bodies), retry_s=0.5), b"{}")
+    assert len(bodies) == 2 and sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["code"] == "ingress_failed"
+
+    bodies = []  # the client disconnected: nobody to answer, nothing runs again
+    sent = _run_asgi(ReplayUnansweredRequests(_proxy_app(99, bodies, read_disconnect=True), retry_s=30), b"{}",
+                     disconnect_after_body=True)
+    assert len(bodies) == 1 and sent == []
+
+
 @pytest.mark.parametrize("name", ["qwen3-8b", "llama3.1-8b-4xgpu", "kimi-k2.5"])
 def test_gpu_production_configs_state_a_rollout_that_fits(name):
     """SGLang fills mem_fraction_static of each GPU, so `beside` (two engines per replica) cannot fit; the config

@@ -373,7 +373,11 @@ class ServeConfig(Strict):
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413, unread")
     auth_token_env: str = Field("DRAFTLINE_API_TOKEN", description="env var holding a bearer token; unset = no auth")
     retry_after_s: float = Field(1, ge=0, description="Retry-After seconds sent with a 503 when replicas are full")
-    ingress_cpus_per_replica: float = Field(0.25, gt=0, description="CPUs of the HTTP ingress replica")
+    ingress_replicas: int = Field(
+        2, ge=1, description="HTTP ingress replicas: with 2, a dead one's requests go to the other at once (1: they "
+        "wait for Serve's replacement, about 20 s)"
+    )
+    ingress_cpus_per_replica: float = Field(0.25, gt=0, description="CPUs of each HTTP ingress replica")
     allow_target_only: bool = Field(
         True, description="serve the target alone (model version 'target-only') when the registry has no champion"
     )

@@ -97,12 +97,21 @@ _ray_mode: str | None = None
 def _environment_for_ray_processes(hidden: tuple[str, ...]):
     """Set what Ray's processes must inherit (a pinned address) and hide what they must not (the serving API token,
     which only the driver needs: replicas get its hash). Ray's processes are forked during ray.init and keep that
-    environment; the driver's own is restored afterwards."""
+    environment; the driver's own is restored afterwards.
+
+    Also set: Serve's proxy callback, so the HTTP proxy sends a request again when its ingress replica died before
+    answering (serving/proxy_replay.py); a callback the user set wins."""
+    from draftline.serving.proxy_replay import CALLBACK, CALLBACK_ENV
+
     with _pinned_local_address() as address:
         saved = {name: os.environ.pop(name) for name in hidden if name in os.environ}
+        added = [] if CALLBACK_ENV in os.environ else [CALLBACK_ENV]
+        os.environ.setdefault(CALLBACK_ENV, CALLBACK)
         try:
             yield address
         finally:
+            for name in added:
+                os.environ.pop(name, None)
             os.environ.update(saved)
 
 

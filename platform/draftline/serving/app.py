@@ -94,7 +94,7 @@ def build_app(
     else:
         engine = EngineServer.options(**engine_options(cfg, served or resolve_served_model(cfg))).bind(config)
     return Ingress.options(
-        num_replicas=1,
+        num_replicas=cfg.serve.ingress_replicas,
         max_ongoing_requests=engine_capacity + 16,
         max_queued_requests=max(cfg.serve.max_queued_requests, 0) + 16,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.serve.retry_after_s),

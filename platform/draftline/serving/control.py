@@ -124,7 +124,16 @@ def active_engine_app() -> str:
 def engine_replicas(app_name: Optional[str] = None) -> list[dict[str, Any]]:
     """The engine replicas Serve knows of in `app_name` (default: the active set): replica_id, state, pid, node_id,
     actor_id (Serve's details)."""
-    deployment = (_deployed_app(app_name or active_engine_app()) or {}).get("deployments", {}).get(ENGINE_DEPLOYMENT, {})
+    return _replicas(app_name or active_engine_app(), ENGINE_DEPLOYMENT)
+
+
+def ingress_replicas() -> list[dict[str, Any]]:
+    """The HTTP ingress replicas Serve knows of, as engine_replicas gives them."""
+    return _replicas(APP_NAME, INGRESS_DEPLOYMENT)
+
+
+def _replicas(app_name: str, deployment_name: str) -> list[dict[str, Any]]:
+    deployment = (_deployed_app(app_name) or {}).get("deployments", {}).get(deployment_name, {})
     return [
         {key: replica.get(key) for key in ("replica_id", "state", "pid", "node_id", "actor_id")}
         for replica in deployment.get("replicas", [])

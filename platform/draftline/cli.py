@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from draftline.config import ConfigError, DraftlineConfig, check_data_dir, load_config
+from draftline.stagelog import command_log
 
 # Modules with a `register(subparsers)` function. Imported lazily per command so `--help` stays fast.
 COMMAND_MODULES = {
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(command if command in COMMAND_MODULES else None)
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with command_log(args.command, args):  # Ray's and other libraries' noise to <data_dir>/logs/<command>.log
+            return int(args.func(args) or 0)
     except Exception as err:
         if not is_expected_error(err):
             raise

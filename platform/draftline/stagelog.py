@@ -6,6 +6,9 @@ MLflow's registry messages. Measured on `draftline run --until extract` (test ta
 52 of the 89 terminal lines were such noise, and both worker lines of the extract stage were shown twice (Ray
 forwards them on stdout and on stderr). These go to the stage log only; the terminal keeps draftline's own lines,
 each shown once per run. A line is noise when it matches THIRD_PARTY_LINE (the one place for the rule).
+
+The standalone stage commands (`draftline extract`, `draftline train`, ...: LOGGED_COMMANDS) do the same into
+`<data_dir>/logs/<command>.log` (command_log).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import Any, Iterator, TextIO
 
 THIRD_PARTY_LINE = re.compile(
     r"(\x1b\[[0-9;]*m)?\(((\w[\w.:-]*\s)?pid=\d+|raylet|autoscaler|gcs_server)"  # forwarded by Ray: (RayTrainWorker pid=12)
@@ -112,3 +115,38 @@ def stage_log(path: Path, shown: set[str]) -> Iterator[None]:
             stage_err.close_line()
             for handler, stream in saved:
                 handler.setStream(stream)
+
+
+# Standalone commands that start Ray, DeepSpeed or MLflow (or load a target). `run` logs per stage itself; `serve`,
+# `sglang-command` and `check-sglang-args` print what the user asked for.
+LOGGED_COMMANDS = frozenset({"bootstrap-target", "regenerate", "prepare", "extract", "train", "export", "bench", "gate",
+                             "promote", "rollback"})
+
+
+def command_log_path(command: str, args: Any) -> Path | None:
+    """`<data_dir>/logs/<command>.log` for a LOGGED_COMMANDS command whose config loads and whose data_dir takes the
+    log; else None (the command then reports a bad config or data_dir itself, in one line)."""
+    if command not in LOGGED_COMMANDS or not hasattr(args, "config"):
+        return None
+    from draftline.config import load_config
+
+    try:
+        cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
+        path = Path(cfg.data_dir) / "logs" / f"{command}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except Exception:  # noqa: BLE001 - the command itself gives the proper error for any of these
+        return None
+    return path
+
+
+@contextlib.contextmanager
+def command_log(command: str, args: Any) -> Iterator[None]:
+    """A standalone stage command's output split as `draftline run` splits a stage's (stage_log), when
+    command_log_path gives a log; the terminal is told where the log is."""
+    path = command_log_path(command, args)
+    if path is None:
+        yield
+        return
+    print(f"draftline {command}: full output, Ray's included, in {path}", flush=True)
+    with stage_log(path, set()):
+        yield

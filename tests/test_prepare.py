@@ -53,6 +53,24 @@ BAD_LINES = [
 ]
 
 
+def test_two_processes_preparing_one_dataset_build_it_once(tmp_path, tiny_target_dir):
+    """utils.build_lock: two draftline processes on one data_dir (two runs, parallel tests). Without the lock both
+    build and the second replaces the directory under the first's readers; with it the second waits and reuses."""
+    import sys
+
+    script = ("import sys; from conftest import make_test_config; from draftline.data.prepare import prepare; "
+              f"print('OUT', prepare(make_test_config(sys.argv[1]), {str(tiny_target_dir)!r}))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    dirs = {line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("OUT ")}
+    assert len(dirs) == 1, outputs
+    assert sum("[prepare] cached:" in out for out in outputs) == 1, outputs  # one built it, the other found it built
+    assert load_split(dirs.pop(), "train")
+
+
 def test_reader_names_file_and_line(tmp_path):
     path = _write(tmp_path / "conv.jsonl", BAD_LINES)
     good, bad = read_conversations(path)
@@ -162,7 +180,8 @@ def test_a_full_disk_gives_one_line_and_leaves_no_dataset_that_looks_finished(tm
     assert "\n" not in message
     assert re.match(rf"cannot write {tmp_path}/dd/datasets/\.\w+\.tmp-\d+/val\.jsonl: {os.strerror(error_number)} "
                     rf"\(\d+\.\d {FULL_DISK_FIX}", message), message
-    assert os.listdir(tmp_path / "dd" / "datasets") == [], "nothing half-written may be left behind"
+    # Only the build lock (utils.build_lock) may stay: nothing half-written.
+    assert [n for n in os.listdir(tmp_path / "dd" / "datasets") if not n.endswith(".lock")] == []
 
     monkeypatch.undo()
     out = prepare(cfg, tiny_target_dir)
@@ -180,7 +199,7 @@ def test_a_full_tmpfs_fails_in_one_line_and_a_rerun_with_room_completes(tmp_path
     print(f"full disk reported after {time.monotonic() - started:.1f} s: {raised.value}")
     assert re.match(rf"cannot write {one_mb_tmpfs}/dd/datasets/\S+: No space left on device \(0\.\d {FULL_DISK_FIX}",
                     str(raised.value))
-    assert os.listdir(one_mb_tmpfs / "dd" / "datasets") == []
+    assert [n for n in os.listdir(one_mb_tmpfs / "dd" / "datasets") if not n.endswith(".lock")] == []
 
     subprocess.run(["mount", "-o", "remount,size=16m", str(one_mb_tmpfs)], check=True)
     out = prepare(cfg, tiny_target_dir)

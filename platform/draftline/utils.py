@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -67,6 +68,21 @@ class StorageFullSink:
 
     def messages(self) -> list[str]:
         return self._messages
+
+
+@contextmanager
+def build_lock(out_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold the lock of a cache entry (a built target, a prepared dataset, a fitted drafter) while checking and building
+    it: a second draftline process on the same data_dir (another run, a parallel test) waits, then finds it built,
+    instead of building it too and replacing the directory under the first one's readers. `.<name>.lock` beside it."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def stable_hash(*parts: Any) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from draftline.config import DraftlineConfig
-from draftline.utils import atomic_write_json, stable_hash
+from draftline.utils import atomic_write_json, build_lock, stable_hash
 
 
 def ttt_loss_on_samples(model, drafter, batch: list[dict], aux_layer_ids: list[int], ttt_steps: int):
@@ -49,17 +49,25 @@ def quick_drafter(
     seed: int = 0,
 ) -> Path:
     """-> export dir `<data_dir>/quick-drafters/<hash>/` (reused when it exists)."""
-    from draftline.data.prepare import load_split, load_vocab
-    from draftline.drafter.export import META_FILE, export_drafter
-    from draftline.drafter.model import DrafterConfig, Eagle3Drafter
-    from draftline.target.aux_layers import family_of
-    from draftline.target.load import load_target, resolve_aux_layer_ids
+    from draftline.drafter.export import META_FILE
+    from draftline.target.load import load_target
 
     target = load_target(cfg, target_dir=target_dir)
     key = stable_hash(target.fingerprint, str(Path(dataset_dir).name), steps, batch_size, lr, ttt_steps, seed)[:16]
     out_dir = cfg.data_path("quick-drafters", key)
-    if (out_dir / META_FILE).exists():
-        return out_dir
+    with build_lock(out_dir):
+        if (out_dir / META_FILE).exists():
+            return out_dir
+        return _fit(cfg, target, dataset_dir, out_dir, steps, batch_size, lr, ttt_steps, seed)
+
+
+def _fit(cfg: DraftlineConfig, target, dataset_dir: str | Path, out_dir: Path, steps: int, batch_size: int, lr: float,
+         ttt_steps: int, seed: int) -> Path:
+    from draftline.data.prepare import load_split, load_vocab
+    from draftline.drafter.export import export_drafter
+    from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+    from draftline.target.aux_layers import family_of
+    from draftline.target.load import resolve_aux_layer_ids
 
     torch.manual_seed(seed)
     model = target.model

@@ -16,7 +16,7 @@ from draftline.data.conversations import BadInput, DataError, drop_duplicate_ids
 from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
 from draftline.regenerate.run import check_regenerated_for_target
-from draftline.utils import atomic_write_json, raise_if_storage_full, read_json, sha256_file, split_of, stable_hash
+from draftline.utils import atomic_write_json, build_lock, raise_if_storage_full, read_json, sha256_file, split_of, stable_hash
 
 SPLITS = ("train", "val", "bench")
 
@@ -56,17 +56,21 @@ def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path) -> str
 
 
 def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
-    from transformers import AutoTokenizer
-
     from draftline.target.load import resolve_target_dir
 
     target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
     conv_path = conversations_path(cfg, target_dir)
     check_regenerated_for_target(conv_path, target_dir)
     out_dir = cfg.data_path("datasets", dataset_hash(cfg, target_dir, conv_path))
-    if (out_dir / "manifest.json").exists():
-        _log(f"cached: {out_dir}")
-        return out_dir
+    with build_lock(out_dir):
+        if (out_dir / "manifest.json").exists():
+            _log(f"cached: {out_dir}")
+            return out_dir
+        return _build_dataset(cfg, target_dir, conv_path, out_dir)
+
+
+def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_dir: Path) -> Path:
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     if not tokenizer.chat_template:

@@ -25,7 +25,7 @@ from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem,
 from draftline.target.chat_layouts import ChatLayout, chat_layout
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
 from draftline.target.families import FAMILIES, build_model_config, served_head_dims
-from draftline.utils import atomic_write_json, read_json, split_of, stable_fraction, stable_hash
+from draftline.utils import atomic_write_json, build_lock, read_json, split_of, stable_fraction, stable_hash
 
 PAD = "<|pad|>"
 DONE_MARKER = "bootstrap.json"
@@ -175,10 +175,15 @@ def bootstrap_target(cfg: DraftlineConfig) -> Path:
     emb = cfg.target.embedded
     pairs = stdlib_doc_pairs(emb.corpus_max_bytes)
     out_dir = cfg.data_path("targets", f"{cfg.target.name}-{target_cache_key(cfg, pairs)}")
-    if (out_dir / DONE_MARKER).exists():
-        _log(f"cached: {out_dir}")
-        return out_dir
+    with build_lock(out_dir):
+        if (out_dir / DONE_MARKER).exists():
+            _log(f"cached: {out_dir}")
+            return out_dir
+        return _build_target(cfg, pairs, out_dir)
 
+
+def _build_target(cfg: DraftlineConfig, pairs: list, out_dir: Path) -> Path:
+    emb = cfg.target.embedded
     started = time.monotonic()
     torch.manual_seed(cfg.seed)
     # Held-out pairs measure perplexity; the LM never trains on them.

@@ -3,8 +3,9 @@
 Each training worker (rank r of W) gets its own Ray Data dataset, `online_rank<r>` (passed to the TorchTrainer,
 not split: `DataConfig(datasets_to_split=[])`), read with `ray.train.get_dataset_shard`:
 
-    rows (split, step, sample_index) in training order  ->  drop the ones a resumed worker already trained on
-      ->  map_batches(TargetCapture, concurrency=extract.online.actors_per_train_worker)  ->  the worker
+    rows (split, step, sample_index) in training order
+      ->  map_batches(TargetCapture, compute=ActorPoolStrategy(size=extract.online.actors_per_train_worker))
+      ->  the worker
 
 The rows are the samples rank r would read from the shards offline, in the same order: step s's micro-batch is
 `sample_indices_for_step(s-1, r, W, B, shard_sizes, seed)` with the shard sizes offline extraction would write
@@ -22,7 +23,7 @@ Backpressure: each stream's executor may hold `extract.online.object_store_memor
 Failures. A target actor that dies is restarted by Ray Data (max_restarts=-1) and its batch retried
 (max_task_retries=-1): same rows, same order. A training worker that dies makes Ray Train restart the group from the
 last checkpoint at step s; each new worker tells the `StreamCursor` actor its s before it starts reading, and the
-stream drops the rows of steps <= s before they reach the target (no forward is spent on them). The worker checks
+target actors drop the rows of steps <= s before their forward (no forward is spent on them). The worker checks
 every row it takes against the order it expects (`StreamOrderError`), so a lost or repeated sample cannot go unseen.
 """
 
@@ -88,7 +89,7 @@ def rank_stream_rows(
 
 class StreamCursor:
     """Ray actor: the step each rank resumed at (0 on a fresh start). Set by the worker before it reads its stream;
-    read by the stream's first stage, which drops rows of steps already trained."""
+    read by the target actors, which drop rows of steps already trained."""
 
     def __init__(self):
         self.starts: dict[int, int] = {}
@@ -98,13 +99,6 @@ class StreamCursor:
 
     def start(self, rank: int) -> int:
         return self.starts.get(rank, 0)
-
-
-def drop_consumed(batch: dict, cursor, rank: int) -> dict:
-    import ray
-
-    keep = batch["step"] > ray.get(cursor.start.remote(rank))
-    return {name: column[keep] for name, column in batch.items()}
 
 
 def to_wire(tensor: torch.Tensor) -> np.ndarray:
@@ -131,7 +125,7 @@ def _object_column(arrays: Sequence[np.ndarray]) -> np.ndarray:
 class TargetCapture:
     """Ray Data actor: holds the target and turns rows (split, step, sample_index) into the samples training reads."""
 
-    def __init__(self, config: dict, plan: dict, split_tokens_refs: dict, fault: dict | None = None):
+    def __init__(self, config: dict, plan: dict, split_tokens_refs: dict, cursor, rank: int, fault: dict | None = None):
         import ray
 
         from draftline.config import DraftlineConfig
@@ -142,12 +136,18 @@ class TargetCapture:
         self.device = torch.device("cuda" if cfg.extract.use_gpu and cfg.extract.pipeline is None else "cpu")
         self.model = load_capture_model(cfg, plan, self.device, f"online target actor pid {os.getpid()}")
         self.split_tokens = {split: ray.get(ref) for split, ref in split_tokens_refs.items()}
+        self.cursor, self.rank = cursor, rank
         self.fault = fault
         self.batches_done = 0
 
     def __call__(self, batch: dict) -> dict:
+        import ray
+
         from draftline.extract.worker import hidden_states_for_samples
 
+        # Rows of steps a resumed worker already trained on are dropped before the forward.
+        keep = batch["step"] > ray.get(self.cursor.start.remote(self.rank))
+        batch = {name: column[keep] for name, column in batch.items()}
         plan = self.plan
         tokens = [self.split_tokens[int(split)].sample(int(i)) for split, i in zip(batch["split"], batch["sample_index"])]
         hidden = hidden_states_for_samples(
@@ -218,12 +218,11 @@ def build_streams(cfg, plan: dict, split_tokens: dict, world_size: int) -> Onlin
         rows = rank_stream_rows(rank, world_size, cfg.train, shard_sizes, len(split_tokens[VAL]), cfg.seed)
         datasets[stream_dataset_name(rank)] = (
             ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // extract_cfg.batch_size)))
-            .map_batches(drop_consumed, fn_kwargs={"cursor": cursor, "rank": rank}, batch_size=None, num_cpus=0)
             .map_batches(
                 TargetCapture,
                 fn_constructor_kwargs={"config": cfg.model_dump(mode="json"), "plan": plan, "split_tokens_refs": refs,
-                                       "fault": fault_injection_from_env()},
-                concurrency=extract_cfg.online.actors_per_train_worker,
+                                       "cursor": cursor, "rank": rank, "fault": fault_injection_from_env()},
+                compute=ray.data.ActorPoolStrategy(size=extract_cfg.online.actors_per_train_worker),
                 batch_size=extract_cfg.batch_size,
                 batch_format="numpy",
                 **resources,

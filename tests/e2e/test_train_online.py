@@ -15,7 +15,9 @@ from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
 from draftline.train.run import train
 from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# Three trainings and an extraction per module: on the shared 2-core box (load 20-100) the offline fixture alone took
+# the default 900 s.
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 MAX_STEPS = 8
 # 0.5 CPU per target actor: 2 training workers, Ray Train's controller and 2 actors fit the 4 logical CPUs of the

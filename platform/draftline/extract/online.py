@@ -225,6 +225,9 @@ def build_streams(cfg, plan: dict, split_tokens: dict, world_size: int) -> Onlin
                 compute=ray.data.ActorPoolStrategy(size=extract_cfg.online.actors_per_train_worker),
                 batch_size=extract_cfg.batch_size,
                 batch_format="numpy",
+                # A dead target actor is restarted and its batch retried: Ray Data's actor-pool defaults
+                # (max_restarts=-1, max_task_retries=-1; passing them is deprecated in Ray 2.60). The killed-actor
+                # test in tests/e2e/test_train_online.py fails with max_restarts=0 here.
                 **resources,
             )
         )

@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
 
+    loadavg_at_start = os.getloadavg()
     cfg = load_config(args.config, args.overrides)
     target_dir = resolve_target_dir(cfg)
     dataset_dir = prepare(cfg, target_dir)
@@ -109,6 +110,7 @@ def main() -> int:
         "micro_batch_size": cfg.train.micro_batch_size,
         "extract_dtype": cfg.extract.dtype,
         "cpu_count": os.cpu_count(),
+        "loadavg_at_start": loadavg_at_start,
         "loadavg_at_end": os.getloadavg(),
         "runs": runs,
     }
@@ -119,7 +121,7 @@ def main() -> int:
         print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | {r['hidden_bytes_written_per_token']:.0f} | "
               f"{r['streamed_bytes_per_token']:.0f} | {r['extract_s']:.0f} | {r['wall_s']:.0f} | "
               f"{r['final_loss']:.4f} | {r['val_acc_0']:.3f} |")
-    print(f"load average at end: {report['loadavg_at_end']}")
+    print(f"load average at start {report['loadavg_at_start']}, at end {report['loadavg_at_end']}")
     if args.out:
         atomic_write_json(args.out, report)
     return 0

@@ -135,3 +135,22 @@ def test_mode_is_offline_by_default_and_checked():
     assert load_config(None, ["extract.mode=online"]).extract.online.actors_per_train_worker == 1
     with pytest.raises(ConfigError, match="extract.mode"):
         load_config(None, ["extract.mode=streaming"])
+
+
+def test_draftline_extract_online_prints_bytes_per_token_and_writes_nothing(tiny_target_dir, tiny_dataset_dir,
+                                                                            tmp_path, capsys):
+    """`draftline extract` in online mode (and the extract stage of `draftline run`, which prints the same line):
+    before training starts, the bytes per token the stream will carry and the total per epoch; no shard."""
+    from draftline.extract.cli import run_extract
+    from draftline.extract.shards import stored_bytes_per_token
+    from draftline.utils import read_json
+    from tests.conftest import make_test_config
+
+    cfg = make_test_config(tmp_path, ["extract.mode=online", "target.kind=hf", f"target.path={tiny_target_dir}"])
+    assert run_extract(cfg, str(tiny_dataset_dir), "all") == 0
+    out = capsys.readouterr().out
+    per_token = stored_bytes_per_token(3, 96, "float32")  # 3 aux + final state x H=96 in fp32, token id, mask
+    tokens = sum(read_json(tiny_dataset_dir / "report.json")["tokens"][split] for split in ("train", "val"))
+    assert f"0 bytes on disk (no shards); training streams {per_token} bytes per token" in out
+    assert f"{per_token * tokens / 1e9:.3f} GB per epoch of the {tokens} train + val tokens" in out
+    assert list(tmp_path.rglob("shard-*")) == [] and not (tmp_path / "hidden").exists()

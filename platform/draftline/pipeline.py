@@ -95,15 +95,12 @@ def _stage_extract(ctx: Context) -> dict:
 
 def _online_extract(ctx: Context) -> dict:
     """extract.mode=online: nothing to write; the train stage runs the target in its stream (extract/online.py)."""
-    from draftline.extract.online import streamed_bytes_per_token
-    from draftline.extract.run import aux_layer_ids_for, target_info
+    from draftline.extract.online import online_extract_summary
 
-    target = target_info(ctx.cfg, _target_dir(ctx))
-    aux_layer_ids = aux_layer_ids_for(ctx.cfg, target)
-    per_token = streamed_bytes_per_token(len(aux_layer_ids), target.hidden_size, ctx.cfg.extract.dtype)
-    print(f"[extract] online: no shards; training streams {per_token} bytes per token of aux layers {aux_layer_ids} "
-          "from target actors through Ray's object store")
-    return {"hidden_dir": None, "mode": "online", "streamed_bytes_per_token": per_token, "aux_layer_ids": aux_layer_ids}
+    summary = online_extract_summary(ctx.cfg, _target_dir(ctx), ctx.outputs["prepare"]["dataset_dir"])
+    print(summary["line"])
+    return {"hidden_dir": None, "mode": "online", "streamed_bytes_per_token": summary["bytes_per_token"],
+            "aux_layer_ids": summary["aux_layer_ids"]}
 
 
 def _stage_train(ctx: Context) -> dict:

@@ -304,3 +304,22 @@ class StreamReader:
         indices = list(val_indices_for_rank(self.num_val_samples, self.rank, self.world_size))
         for start in range(0, len(indices), self.micro_batch_size):
             yield self._take(VAL, step, indices[start : start + self.micro_batch_size])
+
+
+def online_extract_summary(cfg, target_dir, dataset_dir) -> dict:
+    """What `draftline extract` and the extract stage of `draftline run` print in online mode, before training
+    starts: nothing on disk, the bytes per token the stream will carry and their total per epoch of the prepared
+    dataset (train + val tokens; each epoch runs the target again)."""
+    from draftline.extract.run import aux_layer_ids_for, target_info
+    from draftline.utils import read_json
+
+    target = target_info(cfg, Path(target_dir))
+    aux_layer_ids = aux_layer_ids_for(cfg, target)
+    per_token = streamed_bytes_per_token(len(aux_layer_ids), target.hidden_size, cfg.extract.dtype)
+    tokens = sum(read_json(Path(dataset_dir) / "report.json")["tokens"][split] for split in ("train", "val"))
+    line = (
+        f"[extract] online: 0 bytes on disk (no shards); training streams {per_token} bytes per token of aux layers "
+        f"{aux_layer_ids} from target actors through Ray's object store, {per_token * tokens / 1e9:.3f} GB per epoch "
+        f"of the {tokens} train + val tokens"
+    )
+    return {"line": line, "bytes_per_token": per_token, "aux_layer_ids": aux_layer_ids, "tokens": tokens}

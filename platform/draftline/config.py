@@ -183,7 +183,30 @@ class PipelineConfig(Strict):
     placement_timeout_s: float = Field(600, gt=0, description="how long to wait for the cluster to fit every stage")
 
 
+class OnlineConfig(Strict):
+    """extract.mode=online: the target runs in a Ray Data actor pool per training worker and streams its states
+    through Ray's object store into training (draftline.extract.online); nothing is written to disk."""
+
+    actors_per_train_worker: int = Field(
+        1, ge=1, description="target actors (Ray Data ActorPoolStrategy size) feeding each training worker; each "
+        "holds the whole target with extract.cpus_per_worker CPUs and, with extract.use_gpu, one GPU",
+    )
+    object_store_memory_mb: float = Field(
+        256, gt=0, description="backpressure: Ray Data's resource_limits.object_store_memory for each training "
+        "worker's stream; the actors stop producing while this much of computed states waits to be consumed",
+    )
+    prefetch_blocks: int = Field(
+        2, ge=0, description="blocks (one target batch of extract.batch_size samples each) a training worker "
+        "fetches ahead of the step it is on (iter_batches prefetch_batches)",
+    )
+
+
 class ExtractConfig(Strict):
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: hidden states go to safetensors shards that training reads; online: the "
+        "target runs beside training and streams them (no shards written; extract.online)",
+    )
+    online: OnlineConfig = OnlineConfig()
     aux_layer_ids: Optional[list[int]] = Field(
         None, description="layer-OUTPUT ids captured for EAGLE-3 (None = SGLang's default [1, n//2-1, n-4])"
     )

@@ -79,6 +79,9 @@ def _stage_prepare(ctx: Context) -> dict:
 def _stage_extract(ctx: Context) -> dict:
     from draftline.extract.run import extract_with_stats, summary_text
 
+    if ctx.cfg.extract.mode == "online":
+        return _online_extract(ctx)
+
     result = extract_with_stats(ctx.cfg, ctx.outputs["prepare"]["dataset_dir"])
     print(summary_text(list(result.splits.values())))
     return {
@@ -88,6 +91,16 @@ def _stage_extract(ctx: Context) -> dict:
             for name, r in result.splits.items()
         },
     }
+
+
+def _online_extract(ctx: Context) -> dict:
+    """extract.mode=online: nothing to write; the train stage runs the target in its stream (extract/online.py)."""
+    from draftline.extract.online import online_extract_summary
+
+    summary = online_extract_summary(ctx.cfg, _target_dir(ctx), ctx.outputs["prepare"]["dataset_dir"])
+    print(summary["line"])
+    return {"hidden_dir": None, "mode": "online", "streamed_bytes_per_token": summary["bytes_per_token"],
+            "aux_layer_ids": summary["aux_layer_ids"]}
 
 
 def _stage_train(ctx: Context) -> dict:
@@ -170,7 +183,9 @@ def _record_is_valid(record: dict, key: str, stage: Stage) -> bool:
     if record.get("key") != key:
         return False
     out = record.get("outputs", {})
-    return all(p in out and (str(out[p]).startswith(("s3://", "gs://")) or Path(out[p]).exists()) for p in stage.output_paths)
+    # None: a stage with nothing to keep (extract in online mode).
+    return all(p in out and (out[p] is None or str(out[p]).startswith(("s3://", "gs://")) or Path(out[p]).exists())
+               for p in stage.output_paths)
 
 
 def plan(cfg: DraftlineConfig, from_stage: str | None = None, until: str | None = None) -> list[str]:

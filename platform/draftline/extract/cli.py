@@ -21,6 +21,14 @@ def run_extract(cfg: DraftlineConfig, dataset_dir: str | None, split: str) -> in
     from draftline.extract.shards import ShardError
 
     try:
+        if cfg.extract.mode == "online":  # nothing to store: training runs the target in its stream
+            from draftline.data.prepare import prepare
+            from draftline.extract.online import online_extract_summary
+            from draftline.target.load import resolve_target_dir
+
+            target_dir = resolve_target_dir(cfg)
+            print(online_extract_summary(cfg, target_dir, dataset_dir or prepare(cfg, target_dir))["line"], flush=True)
+            return 0
         result = extract_with_stats(cfg, dataset_dir, split)
     except ConfigError as err:
         print_error(err)

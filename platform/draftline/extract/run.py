@@ -74,10 +74,10 @@ class SplitResult:
         return self.new_samples / self.extract_window_s if self.extract_window_s > 0 else 0.0
 
 
-def target_info(cfg: DraftlineConfig) -> TargetInfo:
+def target_info(cfg: DraftlineConfig, target_dir: Path | None = None) -> TargetInfo:
     from draftline.target.load import read_target_config, resolve_target_dir, target_fingerprint
 
-    target_dir = resolve_target_dir(cfg)
+    target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
     hf_config = read_target_config(target_dir)
     return TargetInfo(
         target_dir=target_dir,
@@ -389,6 +389,18 @@ def log_storage_estimate(
     return estimate
 
 
+def capture_plan(cfg: DraftlineConfig, target: TargetInfo, aux_layer_ids: list[int]) -> dict:
+    """What a process running the target needs to capture what the drafter is fed (offline workers, online actors)."""
+    return {
+        "target_dir": str(target.target_dir),
+        "target_fingerprint": target.fingerprint,
+        "aux_layer_ids": aux_layer_ids,
+        "batch_size": cfg.extract.batch_size,
+        "pad_id": target.pad_id,
+        "dtype": cfg.extract.dtype,
+    }
+
+
 def extract_splits(
     cfg: DraftlineConfig,
     dataset_dir: Path,
@@ -417,13 +429,8 @@ def extract_splits(
         return results
 
     plan = {
-        "target_dir": str(target.target_dir),
-        "target_fingerprint": target.fingerprint,
-        "aux_layer_ids": aux_layer_ids,
+        **capture_plan(cfg, target, aux_layer_ids),
         "samples_per_shard": cfg.extract.samples_per_shard,
-        "batch_size": cfg.extract.batch_size,
-        "pad_id": target.pad_id,
-        "dtype": cfg.extract.dtype,
         "shard_metadata": {
             "format": "draftline-hidden-states",
             "format_version": str(FORMAT_VERSION),

@@ -219,6 +219,30 @@ def _maybe_inject_fault(fault_injection: dict | None, shards_written: int) -> No
     os._exit(137)
 
 
+def load_capture_model(cfg, plan: dict, device: torch.device, who: str):
+    """What `_captured` runs: the target on `device` in this process, or (extract.pipeline) a `PipelinedTarget`
+    whose stage actors hold it. Used by the offline extraction workers and the online target actors alike; either
+    way the target files must have the fingerprint the driver saw."""
+    from draftline.target.load import load_target
+
+    torch.set_num_threads(max(1, int(cfg.extract.cpus_per_worker)))
+    if cfg.extract.pipeline is not None:
+        # This process drives one pipeline; its stage actors hold the target (and the GPUs), each checks the files.
+        model = PipelinedTarget(
+            plan["target_dir"], plan["aux_layer_ids"], cfg.extract.pipeline, cfg.target.dtype,
+            cfg.target.trust_remote_code, plan["target_fingerprint"],
+        )  # fmt: skip
+        print(f"[extract] {who}: pipeline stages {model.layout}", flush=True)
+        return model
+    target = load_target(cfg, device=str(device), target_dir=plan["target_dir"])
+    if target.fingerprint != plan["target_fingerprint"]:
+        raise RuntimeError(
+            f"{who}: target at {plan['target_dir']} has fingerprint {target.fingerprint}, the driver saw "
+            f"{plan['target_fingerprint']}; every node must have the same target files"
+        )
+    return target.model
+
+
 def extract_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point (one per worker; every attempt after a failure starts here again)."""
     import ray
@@ -226,30 +250,13 @@ def extract_loop_per_worker(loop_config: dict) -> None:
     import ray.train.torch
 
     from draftline.config import DraftlineConfig
-    from draftline.target.load import load_target
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     cfg = DraftlineConfig.model_validate(loop_config["config"])
     plan = loop_config["plan"]
-    torch.set_num_threads(max(1, int(cfg.extract.cpus_per_worker)))
-    if cfg.extract.pipeline is not None:
-        # This worker drives one pipeline; its stage actors hold the target (and the GPUs), each checks the files.
-        device = torch.device("cpu")
-        model = PipelinedTarget(
-            plan["target_dir"], plan["aux_layer_ids"], cfg.extract.pipeline, cfg.target.dtype,
-            cfg.target.trust_remote_code, plan["target_fingerprint"],
-        )  # fmt: skip
-        print(f"[extract] worker {rank}: pipeline stages {model.layout}", flush=True)
-    else:
-        device = ray.train.torch.get_device() if cfg.extract.use_gpu else torch.device("cpu")
-        target = load_target(cfg, device=str(device), target_dir=plan["target_dir"])
-        if target.fingerprint != plan["target_fingerprint"]:
-            raise RuntimeError(
-                f"worker {rank}: target at {plan['target_dir']} has fingerprint {target.fingerprint}, the driver saw "
-                f"{plan['target_fingerprint']}; every node must have the same target files"
-            )
-        model = target.model
+    device = ray.train.torch.get_device() if cfg.extract.use_gpu and cfg.extract.pipeline is None else torch.device("cpu")
+    model = load_capture_model(cfg, plan, device, f"worker {rank}")
     for split in loop_config["splits"]:
         split_tokens: SplitTokens = ray.get(split["split_tokens_ref"])
         split_plan = {**plan, "shard_metadata": {**plan["shard_metadata"], "split": split["split"]}}

@@ -28,7 +28,8 @@ def run_train(cfg: DraftlineConfig, hidden_dir: str | None, dataset_dir: str | N
     try:
         target_dir = target_dir or resolve_target_dir(cfg)
         dataset_dir = dataset_dir or prepare(cfg, target_dir)
-        hidden_dir = hidden_dir or extract(cfg, dataset_dir)
+        if cfg.extract.mode == "offline":  # online: the target streams its states into training
+            hidden_dir = hidden_dir or extract(cfg, dataset_dir)
         result = train(cfg, hidden_dir, dataset_dir, target_dir)
     except (ConfigError, IncompatibleHiddenStates) as err:
         print_error(err)

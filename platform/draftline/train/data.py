@@ -40,15 +40,17 @@ def epoch_order(shard_sizes: Sequence[int], epoch: int, seed: int) -> torch.Tens
 
 
 def sample_indices_for_step(
-    step: int, rank: int, world_size: int, micro_batch_size: int, shard_sizes: Sequence[int], seed: int
+    step: int, rank: int, world_size: int, micro_batch_size: int, shard_sizes: Sequence[int], seed: int,
+    orders: dict[int, torch.Tensor] | None = None,
 ) -> list[int]:
-    """Sample ids rank `rank` trains on at `step` (0-based); see the module docstring for the order."""
+    """Sample ids rank `rank` trains on at `step` (0-based); see the module docstring for the order. `orders` caches
+    epoch orders across calls (epoch -> order) for a caller that walks many steps."""
     num_samples = sum(shard_sizes)
     if num_samples < 1:
         raise ValueError("the train split has no samples: extract hidden states for a non-empty train split")
     first = (step * world_size + rank) * micro_batch_size
     indices = []
-    orders: dict[int, torch.Tensor] = {}
+    orders = {} if orders is None else orders
     for position in range(first, first + micro_batch_size):
         epoch = position // num_samples
         if epoch not in orders:
@@ -60,6 +62,31 @@ def sample_indices_for_step(
 def val_indices_for_rank(num_samples: int, rank: int, world_size: int) -> range:
     """A contiguous slice per rank (few shard loads); every sample is seen exactly once per validation."""
     return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
+
+
+class ShardSamples:
+    """A training worker's samples from hidden-state shards (offline mode). The online stream
+    (`draftline.extract.online.StreamReader`) hands out the same samples in the same micro-batches."""
+
+    def __init__(self, train_location: str, val_location: str, rank: int, world_size: int, micro_batch_size: int,
+                 seed: int):
+        from draftline.extract.shards import HiddenStateShards
+
+        self.train = HiddenStateShards(train_location)
+        self.val = HiddenStateShards(val_location)
+        self.shard_sizes = [s["samples"] for s in self.train.manifest["shards"]]
+        self.rank, self.world_size, self.micro_batch_size, self.seed = rank, world_size, micro_batch_size, seed
+
+    def train_samples(self, step: int) -> list[dict]:
+        """The micro-batch of 0-based `step`."""
+        indices = sample_indices_for_step(step, self.rank, self.world_size, self.micro_batch_size, self.shard_sizes, self.seed)
+        return [self.train[i] for i in indices]
+
+    def val_batches(self, step: int):
+        """The rank's val slice in micro-batches (the same after every step)."""
+        indices = list(val_indices_for_rank(len(self.val), self.rank, self.world_size))
+        for start in range(0, len(indices), self.micro_batch_size):
+            yield [self.val[i] for i in indices[start : start + self.micro_batch_size]]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch import nn
 
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import est_accept_len, ttt_loss
-from draftline.train.data import Batch, TargetHead, collate, sample_indices_for_step, val_indices_for_rank
+from draftline.train.data import Batch, ShardSamples, TargetHead, collate
 from draftline.utils import StorageFullError, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
@@ -159,14 +159,14 @@ def objective_inputs(batch: Batch, head: TargetHead, t2d: torch.Tensor, dtype: t
     )
 
 
-def validate(engine, shards, head: TargetHead, t2d, micro_batch_size: int, rank: int, world_size: int, device, dtype, steps):
-    """Val metrics over the whole val split, each rank taking a contiguous slice; summed across ranks."""
+def validate(engine, val_batches, head: TargetHead, t2d, device, dtype, steps):
+    """Val metrics over the whole val split, each rank taking a contiguous slice (`val_batches`: its micro-batches
+    of samples); summed across ranks."""
     totals = StepMetrics(steps)
-    indices = list(val_indices_for_rank(len(shards), rank, world_size))
     engine.eval()
     with torch.no_grad():
-        for start in range(0, len(indices), micro_batch_size):
-            batch = collate([shards[i] for i in indices[start : start + micro_batch_size]]).to(device, dtype)
+        for samples in val_batches:
+            batch = collate(samples).to(device, dtype)
             loss, metrics = engine(*objective_inputs(batch, head, t2d, dtype))
             totals.add(float(loss), metrics)
     engine.train()
@@ -305,6 +305,27 @@ def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: t
     return drafter
 
 
+def worker_samples(loop_config: dict, cfg, rank: int, world_size: int, resume_step: int):
+    """Where this worker's samples come from: the shards (offline), or its stream of the target's states (online),
+    which starts after `resume_step` (draftline.extract.online)."""
+    if loop_config.get("online") is None:
+        return ShardSamples(loop_config["train_location"], loop_config["val_location"], rank, world_size,
+                            cfg.train.micro_batch_size, cfg.seed)
+    import ray
+    import ray.train
+
+    from draftline.extract.online import StreamReader, stream_dataset_name
+
+    online = loop_config["online"]
+    # Before the first read: the stream's first stage drops the rows of the steps already trained.
+    ray.get(online["cursor"].set_start.remote(rank, resume_step))
+    return StreamReader(
+        ray.train.get_dataset_shard(stream_dataset_name(rank)), rank, world_size, cfg.train.micro_batch_size,
+        online["shard_sizes"], online["num_val_samples"], cfg.seed, cfg.extract.dtype,
+        cfg.extract.online.prefetch_blocks,
+    )  # fmt: skip
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point (one per worker; every attempt after a failure starts here again).
 
@@ -331,7 +352,6 @@ def _train(loop_config: dict) -> None:
     import ray.train.torch
 
     from draftline.config import DraftlineConfig
-    from draftline.extract.shards import HiddenStateShards
     from draftline.train.data import load_target_head
 
     context = ray.train.get_context()
@@ -347,9 +367,6 @@ def _train(loop_config: dict) -> None:
         torch.set_num_threads(max(1, int(train_cfg.cpus_per_worker)))
     torch.manual_seed(cfg.seed)
 
-    train_shards = HiddenStateShards(loop_config["train_location"])
-    val_shards = HiddenStateShards(loop_config["val_location"])
-    shard_sizes = [s["samples"] for s in train_shards.manifest["shards"]]
     d2t, t2d = loop_config["d2t"], loop_config["t2d"]
     head = load_target_head(loop_config["target_dir"]).to(device, dtype)
     t2d_device = t2d.to(device)
@@ -378,14 +395,12 @@ def _train(loop_config: dict) -> None:
     if checkpoint is not None:
         logger.log({"resumed_at_step": state["step"]}, step=state["step"])
 
+    samples = worker_samples(loop_config, cfg, rank, world_size, resume_step=state["step"])
     fault = loop_config.get("fault_injection")
     while state["step"] < train_cfg.max_steps:
         maybe_kill_for_test(fault, state["step"] + 1, rank, world_size)
         started = time.perf_counter()
-        indices = sample_indices_for_step(
-            state["step"], rank, world_size, train_cfg.micro_batch_size, shard_sizes, cfg.seed
-        )
-        batch = collate([train_shards[i] for i in indices]).to(device, dtype)
+        batch = collate(samples.train_samples(state["step"])).to(device, dtype)
         loss, metrics = engine(*objective_inputs(batch, head, t2d_device, dtype))
         engine.backward(loss)
         engine.step()
@@ -406,13 +421,12 @@ def _train(loop_config: dict) -> None:
             "step_s": step_s,
             "tokens_seen": state["tokens_seen"],
         }
+        if getattr(samples, "tokens_received", 0):
+            step_metrics["streamed_bytes_per_token"] = samples.bytes_per_token
         logger.log(step_metrics, step)
 
         if is_validation_step(step, train_cfg):
-            val_metrics = validate(
-                engine, val_shards, head, t2d_device, train_cfg.micro_batch_size, rank, world_size, device, dtype,
-                train_cfg.ttt_steps,
-            )
+            val_metrics = validate(engine, samples.val_batches(step), head, t2d_device, device, dtype, train_cfg.ttt_steps)
             score = val_metrics[SCORE_METRIC]
             improved = state["best_val_est_accept_len"] is None or score > state["best_val_est_accept_len"]
             if improved:

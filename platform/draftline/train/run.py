@@ -95,14 +95,23 @@ class TrainInputs:
     target_dir: Path
     target_fingerprint: str
     target_hf_config: Any
-    train_location: str
-    val_location: str
-    train_manifest: dict
-    val_manifest: dict
     dataset_hash: str
     d2t: torch.Tensor
     t2d: torch.Tensor
     aux_layer_ids: list[int]
+    train_samples: int
+    train_tokens: int
+    # What the hidden states are, for the training hash: shard checksums (offline), how they are computed (online).
+    hidden_key: Any
+    # Hidden-state bytes per token: stored in the shards (offline, measured) or streamed (online, by layout).
+    bytes_per_token: float
+    train_location: str | None = None  # offline: the shards' split directories
+    val_location: str | None = None
+    online: dict | None = None  # online: {"plan", "split_tokens"} for draftline.extract.online.build_streams
+
+    @property
+    def source(self) -> str:
+        return "streamed" if self.online else "stored"
 
 
 def _open_split(hidden_dir: str, split: str):
@@ -122,7 +131,6 @@ def check_inputs(cfg: DraftlineConfig, hidden_dir: str | os.PathLike, dataset_di
                  target_dir: str | os.PathLike) -> TrainInputs:
     from transformers import AutoConfig
 
-    from draftline.data.prepare import load_vocab
     from draftline.target.load import target_fingerprint
 
     target_dir, dataset_dir = Path(target_dir), Path(dataset_dir)
@@ -144,23 +152,72 @@ def check_inputs(cfg: DraftlineConfig, hidden_dir: str | os.PathLike, dataset_di
                 f"but the dataset dir {dataset_dir} is {dataset_hash}; the draft vocab must come from the same dataset. "
                 "Pass the matching dataset dir or re-extract"
             )
+    d2t, t2d = _vocab(dataset_dir, hf_config)
+    manifest = train_shards.manifest
+    return TrainInputs(
+        target_dir=target_dir,
+        target_fingerprint=fingerprint,
+        target_hf_config=hf_config,
+        dataset_hash=dataset_hash,
+        d2t=d2t,
+        t2d=t2d,
+        aux_layer_ids=aux_layer_ids,
+        train_samples=int(manifest["total_samples"]),
+        train_tokens=int(manifest["total_tokens"]),
+        hidden_key=[s["sha256"] for split in (train_shards, val_shards) for s in split.manifest["shards"]],
+        bytes_per_token=float(manifest["bytes_per_token"]),
+        train_location=train_location,
+        val_location=val_location,
+    )
+
+
+def _vocab(dataset_dir: Path, hf_config) -> tuple[torch.Tensor, torch.Tensor]:
+    from draftline.data.prepare import load_vocab
+
     d2t, t2d = load_vocab(dataset_dir)
     if t2d.shape[0] != int(hf_config.vocab_size):
         raise ConfigError(
             f"train: t2d in {dataset_dir} covers {t2d.shape[0]} tokens, the target's vocab_size is {hf_config.vocab_size}"
         )
+    return d2t, t2d
+
+
+def online_inputs(cfg: DraftlineConfig, dataset_dir: str | os.PathLike, target_dir: str | os.PathLike) -> TrainInputs:
+    """extract.mode=online: no shards; the prepared splits' tokens and the capture plan go to the target actors."""
+    from transformers import AutoConfig
+
+    from draftline.data.prepare import load_split
+    from draftline.extract.online import TRAIN, VAL, streamed_bytes_per_token
+    from draftline.extract.run import _check_dataset_matches_target, aux_layer_ids_for, capture_plan, target_info
+    from draftline.extract.worker import SplitTokens
+
+    dataset_dir = Path(dataset_dir)
+    target = target_info(cfg, Path(target_dir))
+    hf_config = AutoConfig.from_pretrained(target.target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    dataset_hash = _check_dataset_matches_target(dataset_dir, target)["dataset_hash"]
+    aux_layer_ids = aux_layer_ids_for(cfg, target)
+    split_tokens = {TRAIN: SplitTokens.from_samples(load_split(dataset_dir, "train")),
+                    VAL: SplitTokens.from_samples(load_split(dataset_dir, "val"))}
+    for split, tokens in split_tokens.items():
+        if len(tokens) == 0:
+            raise ConfigError(f"train: the {('train', 'val')[split]} split of {dataset_dir} holds no samples; check data.split")
+    d2t, t2d = _vocab(dataset_dir, hf_config)
+    extract_cfg = cfg.extract
     return TrainInputs(
-        target_dir=target_dir,
-        target_fingerprint=fingerprint,
+        target_dir=target.target_dir,
+        target_fingerprint=target.fingerprint,
         target_hf_config=hf_config,
-        train_location=train_location,
-        val_location=val_location,
-        train_manifest=train_shards.manifest,
-        val_manifest=val_shards.manifest,
         dataset_hash=dataset_hash,
         d2t=d2t,
         t2d=t2d,
         aux_layer_ids=aux_layer_ids,
+        train_samples=len(split_tokens[TRAIN]),
+        train_tokens=split_tokens[TRAIN].total_tokens,
+        # What offline's shard checksums pin down, by recipe (the same target and dataset are hashed above).
+        hidden_key={"mode": "online", "aux_layer_ids": aux_layer_ids, "dtype": extract_cfg.dtype,
+                    "target_dtype": cfg.target.dtype, "samples_per_shard": extract_cfg.samples_per_shard},
+        bytes_per_token=float(streamed_bytes_per_token(len(aux_layer_ids), target.hidden_size, extract_cfg.dtype)),
+        online={"plan": capture_plan(cfg, target, aux_layer_ids), "split_tokens": split_tokens},
     )
 
 
@@ -169,8 +226,7 @@ def training_hash(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
     train_section = cfg.train.model_dump(mode="json")
     for not_affecting in ("max_failures", "log_every", "storage_uri"):
         train_section.pop(not_affecting)
-    shard_hashes = [s["sha256"] for split in (inputs.train_manifest, inputs.val_manifest) for s in split["shards"]]
-    return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, shard_hashes)[:16]
+    return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, inputs.hidden_key)[:16]
 
 
 def _fault_injection_from_env() -> dict | None:
@@ -219,11 +275,12 @@ def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash:
         "inputs.target_dir": str(inputs.target_dir),
         "inputs.target_fingerprint": inputs.target_fingerprint,
         "inputs.dataset_hash": inputs.dataset_hash,
-        "inputs.train_hidden": inputs.train_location,
-        "inputs.val_hidden": inputs.val_location,
+        "inputs.train_hidden": inputs.train_location or "online",
+        "inputs.val_hidden": inputs.val_location or "online",
         "inputs.aux_layer_ids": str(inputs.aux_layer_ids),
-        "inputs.train_samples": str(inputs.train_manifest["total_samples"]),
-        "inputs.train_tokens": str(inputs.train_manifest["total_tokens"]),
+        "inputs.train_samples": str(inputs.train_samples),
+        "inputs.train_tokens": str(inputs.train_tokens),
+        f"inputs.{inputs.source}_bytes_per_token": f"{inputs.bytes_per_token:.1f}",
     }
     items = [Param(key, value[:6000]) for key, value in sorted(params.items())]
     for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
@@ -272,8 +329,9 @@ def checkpoint_storage_path(cfg: DraftlineConfig) -> str:
     return cfg.train.storage_uri or str(cfg.data_path("ray", "train"))
 
 
-def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str):
-    """trainer.fit(); a full disk in any worker raises StorageFullError with that worker's one line."""
+def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online: dict | None = None):
+    """trainer.fit(); a full disk in any worker raises StorageFullError with that worker's one line. `online`
+    (TrainInputs.online): each worker reads a stream of the target's states instead of shards."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -285,10 +343,22 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str):
     if train_cfg.use_gpu:
         resources_per_worker["GPU"] = 1
     storage_full_sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
+    data_kwargs: dict = {}
+    if online is not None:
+        from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for
+
+        streams = build_streams(cfg, online["plan"], online["split_tokens"], train_cfg.num_workers)
+        data_kwargs = {"datasets": streams.datasets, "dataset_config": streams.data_config}
+        loop_config = {**loop_config, "online": {
+            "cursor": streams.cursor,
+            "shard_sizes": shard_sizes_for(len(online["split_tokens"][TRAIN]), cfg.extract.samples_per_shard),
+            "num_val_samples": len(online["split_tokens"][VAL]),
+        }}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={**loop_config, "storage_full_sink": storage_full_sink,
                            "checkpoint_location": f"{checkpoint_storage_path(cfg).rstrip('/')}/{run_name}"},
+        **data_kwargs,
         torch_config=TorchConfig(backend=train_cfg.backend),
         scaling_config=ScalingConfig(
             num_workers=train_cfg.num_workers, use_gpu=train_cfg.use_gpu, resources_per_worker=resources_per_worker
@@ -311,9 +381,21 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str):
             raise StorageFullError(storage_full[0]) from None
 
 
+def hidden_states_line(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
+    """The console line that says where the hidden states come from and their bytes per token."""
+    if inputs.online:
+        online = cfg.extract.online
+        return (
+            f"hidden states online: {online.actors_per_train_worker} target actor(s) per worker stream "
+            f"{inputs.bytes_per_token:.0f} bytes per token through Ray's object store (at most "
+            f"{online.object_store_memory_mb:g} MB waiting per worker), none written to disk"
+        )
+    return f"hidden states offline: {inputs.bytes_per_token:.0f} bytes per token stored in {inputs.train_location}"
+
+
 def train(
     cfg: DraftlineConfig,
-    hidden_dir: str | os.PathLike,
+    hidden_dir: str | os.PathLike | None,
     dataset_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
 ) -> TrainResult:
@@ -326,7 +408,12 @@ def train(
     from draftline.tracking import DRAFTER_ARTIFACT_PATH, register_export
     from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE
 
-    inputs = check_inputs(cfg, hidden_dir, dataset_dir, target_dir)
+    if cfg.extract.mode == "online":
+        inputs = online_inputs(cfg, dataset_dir, target_dir)
+    else:
+        if hidden_dir is None:
+            raise ConfigError("train: extract.mode is offline but no hidden states were given; run `draftline extract`")
+        inputs = check_inputs(cfg, hidden_dir, dataset_dir, target_dir)
     train_hash = training_hash(cfg, inputs)
     out_dir = cfg.data_path("drafters", train_hash)
     cached = _cached_result(cfg, out_dir)
@@ -356,13 +443,14 @@ def train(
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
     _log(
         f"{cfg.train.num_workers} worker(s) x {cfg.train.cpus_per_worker} CPU, gpu={cfg.train.use_gpu}, "
-        f"ZeRO-{cfg.train.zero_stage}, {cfg.train.dtype}; {inputs.train_manifest['total_samples']} train samples; "
+        f"ZeRO-{cfg.train.zero_stage}, {cfg.train.dtype}; {inputs.train_samples} train samples; "
         f"{cfg.train.max_steps} steps; MLflow run {run_id}"
     )
+    _log(hidden_states_line(cfg, inputs))
     ensure_ray(cfg)
     started = time.perf_counter()
     try:
-        ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}")
+        ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}", online=inputs.online)
     except StorageFullError:
         with contextlib.suppress(Exception):  # the tracking store may be on the same full disk: the line matters more
             client.set_terminated(run_id, status="FAILED")

@@ -202,3 +202,35 @@ def test_kimi_layout_fits_h200s_by_the_models_own_parameter_count():
     assert round(whole / 1e12, 2) == 1.03
     assert whole * bytes_per_weight > 8 * h200_bytes  # why one node is not enough
     assert 4 * layer_params[1] * bytes_per_weight + budget_bytes > h200_bytes  # why 3 layers per stage at most
+
+
+@pytest.mark.slow
+def test_online_target_actor_drives_the_stage_actors_and_streams_the_whole_models_capture(
+    ray_cluster, tiny_target_dir, tiny_dataset_dir, tmp_path, one_torch_thread
+):
+    """Online mode with `extract.pipeline`: the target actor (built here in the driver, as Ray Data builds it in its
+    actor) holds no weights and drives 2 stage actors; the rows it streams, val rows and a micro-batch of train
+    rows, equal bit for bit those of a target actor holding the whole model."""
+    import numpy as np
+    import ray
+
+    from conftest import make_test_config
+    from draftline.extract.online import TRAIN, VAL, StreamCursor, TargetCapture
+    from draftline.target.stages import PipelinedTarget
+    from draftline.train.run import online_inputs
+
+    rows = {"split": np.array([VAL] * 5 + [TRAIN] * 4), "step": np.ones(9, dtype=np.int64),
+            "sample_index": np.array([0, 1, 2, 3, 4, 7, 0, 12, 3])}
+    outputs = {}
+    for name, extra in (("whole", []), ("stages", ["extract.pipeline.stages=2", "extract.pipeline.cpus_per_stage=0.5"])):
+        cfg = make_test_config(tmp_path, ["extract.mode=online", "extract.batch_size=3", *extra])
+        online = online_inputs(cfg, tiny_dataset_dir, tiny_target_dir).online
+        refs = {split: ray.put(tokens) for split, tokens in online["split_tokens"].items()}
+        cursor = ray.remote(num_cpus=0)(StreamCursor).remote()
+        capture = TargetCapture(cfg.model_dump(mode="json"), online["plan"], refs, cursor, rank=0)
+        assert isinstance(capture.model, PipelinedTarget) == (name == "stages")
+        outputs[name] = capture(dict(rows))
+    for column in ("aux_hidden", "final_hidden", "input_ids", "loss_mask"):
+        assert len(outputs["stages"][column]) == len(outputs["whole"][column]) == 9
+        for got, want in zip(outputs["stages"][column], outputs["whole"][column]):
+            assert got.dtype == want.dtype and np.array_equal(got, want)

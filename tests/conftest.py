@@ -23,24 +23,6 @@ VLLM_TEST_OVERRIDES = [
 ]
 
 
-# mlflow.set_tracking_uri / set_registry_uri / set_experiment (tracking.setup_mlflow) also write these to os.environ
-# (MLflow 3), and MLFLOW_TRACKING_URI outranks a config's own data_dir store (config.mlflow_tracking_uri). Left there,
-# the next test's config, and every subprocess a later test starts (a CLI run, a `ray start` cluster running a job),
-# would use the last test's MLflow store: seen under pytest-xdist, a pipeline job gated against another test's
-# champion. Each test starts from the session's values.
-MLFLOW_ENV = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")}
-
-
-@pytest.fixture(autouse=True)
-def mlflow_environment_of_the_session():
-    yield
-    for name, value in MLFLOW_ENV.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -169,3 +169,32 @@ def test_promote_refuses_a_version_whose_files_do_not_verify_and_moves_nothing(s
     assert alias_version_number(cfg) == versions["passed_a"]
     assert alias_version_number(cfg, "previous") is None
     load_drafter(resolve_alias(cfg).export_dir)  # what `draftline serve` loads is still whole
+
+
+def test_a_second_config_in_one_process_uses_its_own_store_not_the_first_ones(tmp_path, monkeypatch):
+    """setup_mlflow points MLflow at a config's store without leaving MLFLOW_* in the environment: MLflow 3 writes
+    them there, and MLFLOW_TRACKING_URI outranks a config's data_dir store, so the next config in the process (and
+    every process it starts) would silently read and write the first one's runs (seen: a benchmark's online run
+    logged into its offline run's store; a test read another's metrics)."""
+    import os
+
+    import mlflow
+
+    from draftline.tracking import MLFLOW_ENVIRONMENT, setup_mlflow
+
+    for name in MLFLOW_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    from conftest import make_test_config
+
+    first, second = (make_test_config(tmp_path / name) for name in ("first", "second"))  # stores in their data_dirs
+    assert first.tracking.tracking_uri is None
+    setup_mlflow(first)
+    assert mlflow.get_tracking_uri() == first.mlflow_tracking_uri  # MLflow itself is pointed at the first store
+    assert [name for name in MLFLOW_ENVIRONMENT if name in os.environ] == []
+    assert second.mlflow_tracking_uri != first.mlflow_tracking_uri
+    assert second.mlflow_tracking_uri.endswith(f"{tmp_path / 'second'}/mlflow.db")
+    # A user's own setting still wins, and is kept as it was.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'users.db'}")
+    setup_mlflow(first)
+    assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'users.db'}"
+    assert second.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'users.db'}"

@@ -10,6 +10,8 @@ artifact directory such as a drafter export.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,16 +43,38 @@ def setup_mlflow(cfg: DraftlineConfig) -> str:
 
     tracking_uri = cfg.mlflow_tracking_uri
     _ensure_sqlite_parent(tracking_uri)
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
-    if experiment is None:
-        experiment_id = client.create_experiment(cfg.tracking.experiment, artifact_location=cfg.mlflow_artifact_location)
-    else:
-        experiment_id = experiment.experiment_id
-    mlflow.set_experiment(experiment_id=experiment_id)
+    with _environment_kept(MLFLOW_ENVIRONMENT):
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_registry_uri(tracking_uri)
+        client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+        if experiment is None:
+            experiment_id = client.create_experiment(cfg.tracking.experiment, artifact_location=cfg.mlflow_artifact_location)
+        else:
+            experiment_id = experiment.experiment_id
+        mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
+
+
+# MLflow 3's set_tracking_uri / set_registry_uri / set_experiment also write these to os.environ (for subprocesses).
+# Left there, MLFLOW_TRACKING_URI would outrank the *next* config's own data_dir store (config.mlflow_tracking_uri)
+# in this process and in every process it starts: a second config in one process (benchmarks/online.py's offline
+# then online run, a test after another) would read and write the first one's store. MLflow's in-process state
+# keeps the URIs; the environment stays what the user set.
+MLFLOW_ENVIRONMENT = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
+
+
+@contextmanager
+def _environment_kept(names):
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def mlflow_client(cfg: DraftlineConfig):

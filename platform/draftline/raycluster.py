@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from draftline.config import DraftlineConfig
-from draftline.utils import atomic_write_text, free_port
+from draftline.utils import atomic_write_text, environment_restored, free_port
 
 
 def local_auth_env() -> dict[str, str]:
@@ -103,16 +103,11 @@ def _environment_for_ray_processes(hidden: tuple[str, ...]):
     answering (serving/proxy_replay.py); a callback the user set wins."""
     from draftline.serving.proxy_replay import CALLBACK, CALLBACK_ENV
 
-    with _pinned_local_address() as address:
-        saved = {name: os.environ.pop(name) for name in hidden if name in os.environ}
-        added = [] if CALLBACK_ENV in os.environ else [CALLBACK_ENV]
+    with _pinned_local_address() as address, environment_restored(CALLBACK_ENV, *hidden):
+        for name in hidden:
+            os.environ.pop(name, None)
         os.environ.setdefault(CALLBACK_ENV, CALLBACK)
-        try:
-            yield address
-        finally:
-            for name in added:
-                os.environ.pop(name, None)
-            os.environ.update(saved)
+        yield address
 
 
 @contextlib.contextmanager
@@ -128,16 +123,9 @@ def _pinned_local_address():
     """
     port = free_port()
     pinned = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}"}
-    saved = {name: os.environ.get(name) for name in pinned}
-    os.environ.update(pinned)
-    try:
+    with environment_restored(*pinned):
+        os.environ.update(pinned)
         yield pinned["RAY_ADDRESS"]
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 # Ray's own switch between a single-machine Ray and a cluster (named for its default off on Windows and macOS).

@@ -10,12 +10,11 @@ artifact directory such as a drafter export.
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
 from draftline.config import DraftlineConfig
+from draftline.utils import environment_restored
 
 # Model-version tags written by the gate and read by promotion.
 GATE_TAG = "gate"  # "passed" | "failed"; absent = never gated
@@ -43,7 +42,7 @@ def setup_mlflow(cfg: DraftlineConfig) -> str:
 
     tracking_uri = cfg.mlflow_tracking_uri
     _ensure_sqlite_parent(tracking_uri)
-    with _environment_kept(MLFLOW_ENVIRONMENT):
+    with environment_restored(*MLFLOW_ENVIRONMENT):
         mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_registry_uri(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
@@ -62,19 +61,6 @@ def setup_mlflow(cfg: DraftlineConfig) -> str:
 # then online run, a test after another) would read and write the first one's store. MLflow's in-process state
 # keeps the URIs; the environment stays what the user set.
 MLFLOW_ENVIRONMENT = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
-
-
-@contextmanager
-def _environment_kept(names):
-    before = {name: os.environ.get(name) for name in names}
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def mlflow_client(cfg: DraftlineConfig):

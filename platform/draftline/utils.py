@@ -24,6 +24,20 @@ class StorageFullError(RuntimeError):
     and the fix. Every stage fails at once on it: a retry (Ray Train's included) would fail the same way."""
 
 
+@contextmanager
+def environment_restored(*names: str) -> Iterator[None]:
+    """Whatever the block sets or removes of these environment variables, afterwards they are as before."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def is_uri(location: str | os.PathLike) -> bool:
     return "://" in str(location)
 

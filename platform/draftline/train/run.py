@@ -24,6 +24,7 @@ from draftline.utils import (
     StorageFullError,
     StorageFullSink,
     atomic_write_json,
+    fault_action_from_env,
     raise_if_storage_full,
     read_json,
     stable_hash,
@@ -238,7 +239,7 @@ def _fault_injection_from_env() -> dict | None:
     marker = os.environ.get(KILL_MARKER_ENV)
     if not marker:
         raise RuntimeError(f"{KILL_AT_STEP_ENV} is set but {KILL_MARKER_ENV} is not; set both or neither")
-    return {"kill_at_step": int(step), "marker": marker}
+    return {"kill_at_step": int(step), "marker": marker, "action": fault_action_from_env()}
 
 
 def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash: str, inputs: TrainInputs) -> str:

@@ -36,7 +36,8 @@ from tests.multinode_helpers import (
 )
 from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# A cluster start and two worker-group starts per test: 14 min for the extraction test at load 14-95 (2 cores).
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture

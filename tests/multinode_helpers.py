@@ -41,6 +41,11 @@ class MultiNodeCluster:
     nodes: dict = field(default_factory=dict)  # name -> ray._private.node.Node
     node_ids: dict = field(default_factory=dict)  # name -> Ray node id (hex)
     kills: list = field(default_factory=list)
+    num_cpus: int = 1
+    # What every node's processes inherit (the pinned GCS address, Serve's proxy callback), kept for nodes added later.
+    node_env: dict = field(default_factory=dict)
+    hidden_env: tuple = ()  # what they must not inherit (the serving API token)
+    added: int = 0  # worker nodes ever added: the next one is worker<added + 1>
 
     @property
     def address(self) -> str:
@@ -81,6 +86,45 @@ class MultiNodeCluster:
         self.kills.append(kill)
         return kill
 
+    @contextlib.contextmanager
+    def _node_environment(self):
+        from draftline.raycluster import _loopback_only_node
+
+        saved = {name: os.environ.get(name) for name in (*self.node_env, *self.hidden_env)}
+        for name in self.hidden_env:
+            os.environ.pop(name, None)
+        os.environ.update(self.node_env)
+        try:
+            with _loopback_only_node():
+                yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    def add_worker_node(self, **extra) -> str:
+        """Start a fresh worker node (the next name: worker3 after worker1 and worker2) and wait until it is up."""
+        self.added += 1
+        name = f"worker{self.added}"
+        with self._node_environment():
+            node = self.cluster.add_node(num_cpus=self.num_cpus, resources={f"node-{name}": 1},
+                                         node_ip_address="127.0.0.1", **extra)
+        self.nodes[name] = node
+        self.node_ids[name] = node.node_id
+        self.cluster.wait_for_nodes()
+        return name
+
+    def wait_until_dead(self, timeout_s: float = 120) -> None:
+        """Poll until Ray marks every killed node dead (health checks: ~12 s after a kill at load ~8)."""
+        killed = {kill.node_id for kill in self.kills}
+        deadline = time.monotonic() + timeout_s
+        while killed & self.alive_node_ids():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray still lists killed nodes as alive after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
     def alive_node_ids(self) -> set[str]:
         import ray
 
@@ -107,13 +151,14 @@ def start_multinode_cluster(worker_nodes: int = 2, num_cpus: int = 1, head_cpus:
     from ray.cluster_utils import Cluster
 
     import ray
+    from draftline.config import DraftlineConfig
     from draftline.raycluster import (
-        _loopback_only_node,
-        _pinned_local_address,
+        _environment_for_ray_processes,
         code_runtime_env,
         connect_local_cluster,
         local_auth_env,
     )
+    from draftline.serving.proxy_replay import CALLBACK_ENV
     from draftline.utils import free_port
 
     if ray.is_initialized():
@@ -122,19 +167,23 @@ def start_multinode_cluster(worker_nodes: int = 2, num_cpus: int = 1, head_cpus:
     # shutdown_at_exit=False: no reaper, which would make this test process a process-group leader; the fixture
     # shuts the cluster down.
     cluster = Cluster(shutdown_at_exit=False)
-    multi = MultiNodeCluster(cluster)
+    multi = MultiNodeCluster(cluster, num_cpus=num_cpus)
     try:
-        with _pinned_local_address(), _loopback_only_node():
-            gcs_port = int(os.environ["RAY_GCS_SERVER_PORT"])
-            specs = [(HEAD, head_cpus)] + [(f"worker{i}", num_cpus) for i in range(1, worker_nodes + 1)]
-            for name, cpus in specs:
-                # The head's other fixed default ports (dashboard 8265, agent 52365) may be another Ray's on this machine.
-                extra = {"gcs_server_port": gcs_port, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-                         "dashboard_port": free_port(), "dashboard_agent_listen_port": None} if name == HEAD else {}
-                node = cluster.add_node(num_cpus=cpus, resources={f"node-{name}": 1}, node_ip_address="127.0.0.1", **extra)
-                multi.nodes[name] = node
-                multi.node_ids[name] = node.node_id
-            cluster.wait_for_nodes()
+        # As draftline's local cluster (raycluster.ensure_ray): a pinned GCS address, Serve's proxy callback
+        # (serving/proxy_replay.py) and no serving API token in Ray's processes.
+        multi.hidden_env = (DraftlineConfig().serve.auth_token_env,)
+        with _environment_for_ray_processes(hidden=multi.hidden_env):
+            multi.node_env = {name: os.environ[name] for name in ("RAY_GCS_SERVER_PORT", "RAY_ADDRESS", CALLBACK_ENV)}
+        with multi._node_environment():
+            # The head's other fixed default ports (dashboard 8265, agent 52365) may be another Ray's on this machine.
+            node = cluster.add_node(num_cpus=head_cpus, resources={f"node-{HEAD}": 1}, node_ip_address="127.0.0.1",
+                                    gcs_server_port=int(multi.node_env["RAY_GCS_SERVER_PORT"]), include_dashboard=True,
+                                    dashboard_host="127.0.0.1", dashboard_port=free_port(),
+                                    dashboard_agent_listen_port=None)
+        multi.nodes[HEAD] = node
+        multi.node_ids[HEAD] = node.node_id
+        for _ in range(worker_nodes):
+            multi.add_worker_node()
         connect_local_cluster(cluster.address, runtime_env=code_runtime_env(), log_to_driver=True)
     except BaseException:
         multi.shutdown()
@@ -143,7 +192,7 @@ def start_multinode_cluster(worker_nodes: int = 2, num_cpus: int = 1, head_cpus:
 
 
 def node_of_each_node_resource(multi: MultiNodeCluster) -> dict[str, str]:
-    """Run a task pinned to each node by its custom resource; name -> the node id it ran on."""
+    """Run a task pinned to each live node by its custom resource; name -> the node id it ran on."""
     import ray
 
     @ray.remote(num_cpus=0)

@@ -61,9 +61,9 @@ class FailedRequest(Exception):
         return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error) and bool(error["code"])
 
 
-async def _loop_load(url: str, stop: threading.Event, max_s: float, clients: int, body: dict) -> list:
-    """`clients` loops until `stop` or max_s; each result is (start_s, end_s, version or FailedRequest)."""
-    results: list[tuple[float, float, object]] = []
+async def _loop_load(url: str, stop: threading.Event, max_s: float, clients: int, body: dict, results: list) -> None:
+    """`clients` loops until `stop` or max_s; each result, appended to `results` as it comes, is
+    (start_s, end_s, version or FailedRequest)."""
     deadline = time.monotonic() + max_s
 
     async def client() -> None:
@@ -81,16 +81,15 @@ async def _loop_load(url: str, stop: threading.Event, max_s: float, clients: int
                 results.append((started, time.monotonic(), outcome))
 
     await asyncio.gather(*(client() for _ in range(clients)))
-    return results
 
 
 @contextlib.contextmanager
 def under_load(url: str, max_s: float = 40.0, clients: int = 4, body: Optional[dict] = None) -> Iterator[list]:
     """`clients` clients post chat completions to `url` for the with-block (max_s at most); the yielded list fills,
-    once the block ends, with (start_s, end_s, model version or FailedRequest) per request (time.monotonic)."""
+    as requests end, with (start_s, end_s, model version or FailedRequest) per request (time.monotonic)."""
     stop = threading.Event()
     results: list = []
-    load = threading.Thread(target=lambda: results.extend(asyncio.run(_loop_load(url, stop, max_s, clients, body or CHAT_BODY))))
+    load = threading.Thread(target=lambda: asyncio.run(_loop_load(url, stop, max_s, clients, body or CHAT_BODY, results)))
     load.start()
     try:
         yield results

@@ -10,9 +10,7 @@ so the two workers run on two different nodes and the restarted group fits on th
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,14 +34,17 @@ from tests.multinode_helpers import (
 )
 from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
-# A cluster start and two worker-group starts per test: 14 min for the extraction test at load 14-95 (2 cores).
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(2400)]
+# One cluster for the module (about 30 s to start at load ~8); each scenario kills one worker node and the next one
+# gets a fresh worker node in its place.
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+WORKER_NODES = 2
 
 
-@pytest.fixture
-def multinode():
-    """A fresh head + 2 worker nodes per test (each test kills one); the session's local Ray, if this process was
-    connected to it, is shut down first (one cluster of ours at a time) and started again afterwards."""
+@pytest.fixture(scope="module")
+def multinode_cluster():
+    """A head + 2 worker nodes for the module; the session's local Ray, if this process was connected to it, is shut
+    down first (one cluster of ours at a time) and started again afterwards."""
     import ray
     from ray import serve
 
@@ -51,9 +52,8 @@ def multinode():
     if was_connected:
         serve.shutdown()
         ray.shutdown()
-    cluster = start_multinode_cluster(worker_nodes=2, num_cpus=1, head_cpus=1)
+    cluster = start_multinode_cluster(worker_nodes=WORKER_NODES, num_cpus=1, head_cpus=1)
     try:
-        assert node_of_each_node_resource(cluster) == cluster.node_ids, "a task pinned to a node ran elsewhere"
         yield cluster
     finally:
         cluster.shutdown()
@@ -61,13 +61,27 @@ def multinode():
             start_session_ray()
 
 
-def _check_spread_and_restart(cluster, held, label: str) -> None:
-    """The group ran on two nodes when one died; the workers started after that ran on surviving nodes only."""
+@pytest.fixture
+def multinode(multinode_cluster):
+    """The module's cluster with a head and 2 live worker nodes: the node a scenario killed is marked dead by Ray and
+    replaced by a fresh one; yields the cluster and the Ray Train worker actors that ran before this scenario."""
+    cluster = multinode_cluster
+    cluster.wait_until_dead()
+    while len(cluster.nodes) < 1 + WORKER_NODES:
+        print(f"started {cluster.add_worker_node()} in place of {cluster.kills[-1].name}")
+    live = {name: cluster.node_ids[name] for name in cluster.nodes}
+    assert node_of_each_node_resource(cluster) == live, "a task pinned to a node ran elsewhere"
+    yield cluster, {a.actor_id for a in train_worker_actors(detail=False)}
+
+
+def _check_spread_and_restart(cluster, held, earlier: set, label: str) -> None:
+    """The group ran on two nodes when one died; the workers started after that ran on surviving nodes only
+    (`earlier`: worker actors of the scenarios before this one)."""
     dead = held.kill.name
     assert len(set(held.workers_at_kill.values())) == 2, f"{label}: workers were not spread: {held.workers_at_kill}"
     assert dead in held.workers_at_kill.values(), f"{label}: the killed node {dead} ran none of the group's workers"
     restarted = {a.actor_id: cluster.name_of(a.node_id) for a in train_worker_actors()
-                 if a.actor_id not in held.workers_at_kill}
+                 if a.actor_id not in held.workers_at_kill and a.actor_id not in earlier}
     assert len(restarted) >= 2, f"{label}: Ray Train did not start a new worker group: {restarted}"
     assert dead not in restarted.values(), f"{label}: a restarted worker ran on the dead node {dead}: {restarted}"
     print(f"{label}: workers on {sorted(held.workers_at_kill.values())} when {dead} was killed "
@@ -78,6 +92,7 @@ SHARDS_BEFORE_HOLD = 2
 
 
 def test_extraction_finishes_after_a_worker_node_dies(multinode, tiny_dataset_dir, tmp_path, monkeypatch):
+    cluster, earlier = multinode
     marker = tmp_path / "worker-held"
     monkeypatch.setenv(FAULT_AFTER_SHARDS_ENV, str(SHARDS_BEFORE_HOLD))
     monkeypatch.setenv(FAULT_MARKER_ENV, str(marker))
@@ -89,15 +104,15 @@ def test_extraction_finishes_after_a_worker_node_dies(multinode, tiny_dataset_di
     ])
     samples = load_split(tiny_dataset_dir, "train")
     total_shards = num_shards(len(samples), 8)
-    killer = kill_node_of_held_worker(multinode, marker, count_records=lambda: len(list(hidden.glob("*/train/shard-*.json"))))
+    killer = kill_node_of_held_worker(cluster, marker, count_records=lambda: len(list(hidden.glob("*/train/shard-*.json"))))
     started = time.monotonic()
     result = extract_with_stats(cfg, tiny_dataset_dir, split="train")
     finished = time.monotonic()
     held = joined(killer)
 
-    assert held.kill.node_id not in multinode.alive_node_ids()
+    assert held.kill.node_id not in cluster.alive_node_ids()
     assert SHARDS_BEFORE_HOLD <= held.shard_records_at_kill < total_shards, "the node died before or after the run"
-    _check_spread_and_restart(multinode, held, "extract")
+    _check_spread_and_restart(cluster, held, earlier, "extract")
 
     split_dir = Path(result.location) / "train"
     shards = HiddenStateShards(split_dir)
@@ -118,8 +133,8 @@ def test_extraction_finishes_after_a_worker_node_dies(multinode, tiny_dataset_di
           f"({finished - started:.1f} s in all)")
 
 
-MAX_STEPS = 8
-HOLD_AT_STEP = 5  # after the step-3 checkpoint is committed, before the step-6 one
+MAX_STEPS = 5
+HOLD_AT_STEP = 4  # at the start of step 4: after the step-3 checkpoint is committed (train.checkpoint_every=3)
 
 
 def test_training_resumes_on_the_surviving_nodes(multinode, tiny_cfg, tiny_target_dir, tiny_dataset_dir, tmp_path,
@@ -128,18 +143,19 @@ def test_training_resumes_on_the_surviving_nodes(multinode, tiny_cfg, tiny_targe
 
     from tests.e2e.test_train_fault import expected_tokens_seen
 
+    cluster, earlier = multinode
     hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)  # cached by hash after the first run
     marker = tmp_path / "rank-held"
     monkeypatch.setenv(KILL_AT_STEP_ENV, str(HOLD_AT_STEP))
     monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
     monkeypatch.setenv(FAULT_ACTION_ENV, "hold")
     cfg = short_run_config(tmp_path, [f"train.max_steps={MAX_STEPS}", "train.max_failures=2"])
-    killer = kill_node_of_held_worker(multinode, marker)
+    killer = kill_node_of_held_worker(cluster, marker)
     result = train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)
     finished = time.monotonic()
     held = joined(killer)
 
-    _check_spread_and_restart(multinode, held, "train")
+    _check_spread_and_restart(cluster, held, earlier, "train")
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
     resumed = client.get_metric_history(result.run_id, "resumed_at_step")
     assert [m.value for m in resumed] == [3.0], "the restarted workers must resume from the step-3 checkpoint"
@@ -150,16 +166,27 @@ def test_training_resumes_on_the_surviving_nodes(multinode, tiny_cfg, tiny_targe
     expected = expected_tokens_seen(train_shards, MAX_STEPS, cfg.train.num_workers, cfg.train.micro_batch_size, cfg.seed)
     tokens_seen = [m.value for m in client.get_metric_history(result.run_id, "tokens_seen") if m.step == MAX_STEPS]
     assert tokens_seen[-1] == expected, "the data position did not continue from the checkpoint"
-    assert result.best_step in (3, 6, 8)
+    assert result.best_step in (3, MAX_STEPS)
     assert (result.export_dir / "config.json").is_file() and result.model_version
     resumed_s = resumed[0].timestamp / 1000 - held.kill.killed_at_unix
     print(f"train: {held.kill.name} killed while a rank held at step {HOLD_AT_STEP}; resumed at step 3 {resumed_s:.1f} s "
           f"after the kill, finished {finished - held.kill.killed_at_monotonic:.1f} s after it; best step "
-          f"{result.best_step}, version {result.model_version}")
+          f"{result.best_step}, version {result.model_version}; loss logged per step {dict(sorted(loss_steps.items()))}")
 
 
 LOAD_CLIENTS = 4
-BODY = {"messages": [{"role": "user", "content": "Name a Python builtin."}], "max_tokens": 8, "temperature": 0}
+LOAD_ANSWERS_BEFORE_KILL = 2 * LOAD_CLIENTS
+# Load goes on until Ray has marked the killed node dead (the replica's actor dead with it) and this long after.
+LOAD_AFTER_DEAD_S = 5.0
+
+
+def _wait_for_answers(results: list, count: int, timeout_s: float = 120) -> None:
+    """Poll until under_load's `results` hold `count` answered requests (not a fixed sleep: at load ~19 the first
+    requests took over 5 s)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(not isinstance(r[2], Exception) for r in list(results)) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} requests answered in {timeout_s:.0f} s: {results[:5]}"
+        time.sleep(0.2)
 
 
 def _serve_replicas() -> dict[str, list[str]]:
@@ -173,7 +200,9 @@ def _serve_replicas() -> dict[str, list[str]]:
 
 def test_serving_with_two_replicas_survives_losing_the_node_of_one(multinode, tiny_target_dir, tmp_path):
     """The proxy runs on the head only: every node here has the address 127.0.0.1, so proxies on every node (Serve's
-    default) would compete for one port; on a real cluster each node has its own address."""
+    default) would compete for one port; on a real cluster each node has its own address. With 1 CPU per node the
+    two engine replicas (1 CPU each) fill two nodes and the ingress replicas the third, so Serve has no room for a
+    replacement engine replica: the survivor serves alone."""
     from ray import serve
 
     from draftline.registry import promote
@@ -181,46 +210,45 @@ def test_serving_with_two_replicas_survives_losing_the_node_of_one(multinode, ti
     from draftline.serving.engine_server import ENGINE_DEPLOYMENT
     from draftline.tracking import GATE_TAG
     from registry_helpers import mlflow_test_config, random_drafter, register_drafter
-    from serve_helpers import run_load
+    from serve_helpers import under_load
 
+    cluster, _ = multinode
     cfg = mlflow_test_config(tmp_path, [f"serve.port={free_port()}", "serve.num_replicas=2", "serve.cpus_per_replica=1"])
     promote(cfg, register_drafter(cfg, random_drafter(tiny_target_dir, seed=1), {GATE_TAG: "passed"}))
     serve.start(proxy_location="HeadOnly", http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-    url = serve_champion(cfg)
-    replicas = _serve_replicas()
-    engine_nodes = {multinode.name_of(n) for n in replicas[ENGINE_DEPLOYMENT]}
-    ingress_nodes = {multinode.name_of(n) for name, nodes in replicas.items() if name != ENGINE_DEPLOYMENT for n in nodes}
-    assert len(engine_nodes) == 2, f"the two engine replicas share a node: {replicas}"
-    victim = next(name for name in sorted(engine_nodes) if name != HEAD and name not in ingress_nodes)
+    try:
+        url = serve_champion(cfg)
+        replicas = _serve_replicas()
+        engine_nodes = {cluster.name_of(n) for n in replicas[ENGINE_DEPLOYMENT]}
+        ingress_nodes = {cluster.name_of(n) for name, nodes in replicas.items() if name != ENGINE_DEPLOYMENT
+                         for n in nodes}
+        assert len(engine_nodes) == 2, f"the two engine replicas share a node: {replicas}"
+        # A worker node with an engine replica, one without an ingress replica if there is one.
+        victim = min((name for name in engine_nodes if name != HEAD), key=lambda name: (name in ingress_nodes, name))
+        with under_load(url, max_s=300, clients=LOAD_CLIENTS) as results:
+            _wait_for_answers(results, LOAD_ANSWERS_BEFORE_KILL)
+            kill = cluster.kill_node(victim)
+            cluster.wait_until_dead()
+            dead_after_s = time.monotonic() - kill.killed_at_monotonic
+            time.sleep(LOAD_AFTER_DEAD_S)
+    finally:
+        serve.shutdown()
 
-    load_s, kill_after_s = 40.0, 8.0
-    outcome: dict = {}
-    load = threading.Thread(target=lambda: outcome.update(
-        result=asyncio.run(run_load(f"{url}/v1/chat/completions", BODY, LOAD_CLIENTS, load_s))))
-    load.start()
-    time.sleep(kill_after_s)
-    kill = multinode.kill_node(victim)
-    load.join(timeout=load_s + 120)
-    serve.shutdown()
-    result = outcome["result"]
-
+    results = list(results)
     killed_at = kill.killed_at_monotonic
-    in_flight = [t for t in result.timeline if t[0] <= killed_at < t[1]]
-    after = sorted((t for t in result.timeline if t[0] > killed_at), key=lambda t: t[0])
-    failed = [t for t in result.timeline if t[2] is not None]
-    first_ok_after = next(t for t in after if t[2] is None)
-    longest_s = max(t[1] - t[0] for t in result.timeline if t[1] >= killed_at)
-    before = [t[1] - t[0] for t in result.timeline if t[1] < killed_at]
-    print(f"serve: {len(result.timeline)} requests from {LOAD_CLIENTS} clients, {len(failed)} failed "
-          f"({Counter(t[2][:60] for t in failed)}); {len(in_flight)} in flight when {victim} "
-          f"({kill.processes} processes) died; first request started after the kill answered in "
+    in_flight = [r for r in results if r[0] <= killed_at < r[1]]
+    after = sorted((r for r in results if r[0] > killed_at), key=lambda r: r[0])
+    failed = [r for r in results if isinstance(r[2], Exception)]
+    first_ok_after = next(r for r in after if not isinstance(r[2], Exception))
+    longest_s = max(r[1] - r[0] for r in results if r[1] >= killed_at)
+    before = [r[1] - r[0] for r in results if r[1] < killed_at]
+    print(f"serve: {len(results)} requests from {LOAD_CLIENTS} clients, {len(failed)} failed "
+          f"({Counter(str(r[2])[:120] for r in failed)}); {len(in_flight)} in flight when {victim} "
+          f"({kill.processes} processes, ingress replica on it: {victim in ingress_nodes}) died; Ray marked it dead "
+          f"{dead_after_s:.1f} s after; first request started after the kill answered in "
           f"{first_ok_after[1] - first_ok_after[0]:.2f} s; longest request around the kill {longest_s:.2f} s "
           f"(median before {sorted(before)[len(before) // 2]:.2f} s)")
-    assert result.ok > 0 and before and after
-    assert all(t[2] is None for t in after[len(after) // 2:]), "requests still fail long after the node died"
-    # Without the ingress resending a request whose replica died before answering (branch rollout, issue 18 fault 5;
-    # with it this becomes failed == []), requests that were sent to the killed replica fail, in OpenAI's error
-    # shape: 503 engine_failed when it died mid-generation, and (seen once in two runs) 500 internal_error naming
-    # ActorUnavailableError when it died before the first chunk. None of the later ones may fail.
-    assert all(t[0] <= killed_at + 30 for t in failed), failed
-    assert all(json.loads(t[2].split(": ", 1)[1])["error"]["code"] for t in failed), failed
+    assert before and after
+    assert all(not isinstance(r[2], Exception) for r in after[len(after) // 2:]), "requests still fail after the kill"
+    assert all(r[2].openai_shaped for r in failed), failed
+    assert all(r[0] <= killed_at + dead_after_s for r in failed), "a request sent after Ray marked the node dead failed"

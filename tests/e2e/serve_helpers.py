@@ -13,26 +13,15 @@ from typing import Iterator, Optional
 import httpx
 
 
-def start_serving(cfg, attempts: int = 3) -> str:
+def start_serving(cfg) -> str:
     """Start Serve on cfg.serve.host:port (a fresh Serve instance) and deploy the champion; returns the base URL.
-
-    At load average ~30 on the shared 2-core box, Serve's controller can fail its HTTP proxy's 5 s readiness check
-    three times and kill it while `serve.start` waits for it (ActorDiedError: ProxyActor killed by ray.kill, seen
-    in benchmarks/RESULTS.md); that start is retried on a fresh Serve instance."""
+    (An HTTP proxy killed by Serve's controller while serve.start waits for it is waited for by serve_champion.)"""
     from ray import serve
-    from ray.exceptions import ActorDiedError
 
     from draftline.serving.control import serve_champion
 
-    for attempt in range(attempts):
-        serve.shutdown()
-        try:
-            return serve_champion(cfg)
-        except ActorDiedError as err:
-            if "ProxyActor" not in str(err) or attempt == attempts - 1:
-                raise
-            print(f"Serve's HTTP proxy was killed during serve.start (attempt {attempt + 1}); starting Serve again")
-    raise AssertionError("unreachable")
+    serve.shutdown()
+    return serve_champion(cfg)
 
 
 def stop_serving() -> None:

@@ -70,6 +70,17 @@ class StorageFullSink:
         return self._messages
 
 
+def actor_on_driver_node(actor_class: type, *args: Any):
+    """Start a bookkeeping actor of a run (a StorageFullSink, the online stream's cursor) on the driver's node, as Ray
+    Train does with its controller: elsewhere, a worker node that dies would take it with it, and the run would
+    fail after Ray Train had recovered (seen with a worker node SIGKILLed mid-extraction)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    on_driver_node = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, scheduling_strategy=on_driver_node)(actor_class).remote(*args)
+
+
 @contextmanager
 def build_lock(out_dir: str | os.PathLike) -> Iterator[None]:
     """Hold the lock of a cache entry (a built target, a prepared dataset, a fitted drafter) while checking and building

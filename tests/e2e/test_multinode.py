@@ -34,7 +34,7 @@ from tests.multinode_helpers import (
 )
 from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
-# One cluster for the module (about 30 s to start at load ~8); each scenario kills one worker node and the next one
+# One cluster for the module (11 s to start at load ~4); each scenario kills one worker node and the next one
 # gets a fresh worker node in its place.
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -206,18 +206,17 @@ def test_serving_with_two_replicas_survives_losing_the_node_of_one(multinode, ti
     from ray import serve
 
     from draftline.registry import promote
-    from draftline.serving.control import serve_champion
     from draftline.serving.engine_server import ENGINE_DEPLOYMENT
     from draftline.tracking import GATE_TAG
     from registry_helpers import mlflow_test_config, random_drafter, register_drafter
-    from serve_helpers import under_load
+    from serve_helpers import start_serving, under_load
 
     cluster, _ = multinode
-    cfg = mlflow_test_config(tmp_path, [f"serve.port={free_port()}", "serve.num_replicas=2", "serve.cpus_per_replica=1"])
+    cfg = mlflow_test_config(tmp_path, [f"serve.port={free_port()}", "serve.num_replicas=2", "serve.cpus_per_replica=1",
+                                        "serve.proxy_location=HeadOnly"])
     promote(cfg, register_drafter(cfg, random_drafter(tiny_target_dir, seed=1), {GATE_TAG: "passed"}))
-    serve.start(proxy_location="HeadOnly", http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     try:
-        url = serve_champion(cfg)
+        url = start_serving(cfg)  # the path of `draftline serve`
         replicas = _serve_replicas()
         engine_nodes = {cluster.name_of(n) for n in replicas[ENGINE_DEPLOYMENT]}
         ingress_nodes = {cluster.name_of(n) for name, nodes in replicas.items() if name != ENGINE_DEPLOYMENT

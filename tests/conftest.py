@@ -23,16 +23,22 @@ VLLM_TEST_OVERRIDES = [
 ]
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import ray
-
+def start_session_ray() -> None:
+    """The test session's local Ray (also started again after a test that needed a cluster of its own)."""
     from draftline.raycluster import ensure_ray
 
     # 4 logical CPUs on a 2-core machine: Ray Train needs a CPU for its controller besides 2 workers.
     ensure_ray(num_cpus=int(os.environ.get("DRAFTLINE_TEST_RAY_CPUS", "4")))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    start_session_ray()
     yield ray
     ray.shutdown()
+
 
 # A smaller embedded target for tests: still a real trained LM, built in about a minute, cached across test runs.
 TEST_OVERRIDES = [

@@ -141,6 +141,17 @@ def test_kill_hook_fires_once_on_last_rank_only(tmp_path, monkeypatch):
     assert events == ["wait", "kill"]
 
 
+def test_kill_hook_can_hold_for_a_node_kill_instead(tmp_path, monkeypatch):
+    """DRAFTLINE_TEST_FAULT_ACTION=hold (tests/e2e/test_multinode.py): the rank waits, after the checkpoints are
+    committed, for the test to kill its whole node; it does not kill itself."""
+    events = []
+    monkeypatch.setattr("draftline.train.loop.os.kill", lambda pid, sig: events.append("kill"))
+    monkeypatch.setattr("draftline.train.loop.hold_until_killed", lambda marker, what: events.append(("hold", what)))
+    fault = {"kill_at_step": 3, "marker": str(tmp_path / "marker"), "action": "hold"}
+    maybe_kill_for_test(fault, 3, 1, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
+    assert events[0] == "wait" and events[1][0] == "hold" and "at step 3" in events[1][1]
+
+
 def test_flatten_config_for_mlflow_params():
     flat = flatten(load_config(None, ["train.lr=0.001"]).model_dump(mode="json"))
     assert flat["train.lr"] == "0.001"

@@ -387,6 +387,9 @@ class GateConfig(Strict):
 class ServeConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode", description="Serve's HTTP proxies: one per node (each on host:port), or on the head node only"
+    )
     num_replicas: int = Field(1, ge=1)
     cpus_per_replica: float = Field(1, gt=0)
     gpus_per_replica: float = Field(0, ge=0)

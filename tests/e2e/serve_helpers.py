@@ -13,26 +13,15 @@ from typing import Iterator, Optional
 import httpx
 
 
-def start_serving(cfg, attempts: int = 3) -> str:
+def start_serving(cfg) -> str:
     """Start Serve on cfg.serve.host:port (a fresh Serve instance) and deploy the champion; returns the base URL.
-
-    At load average ~30 on the shared 2-core box, Serve's controller can fail its HTTP proxy's 5 s readiness check
-    three times and kill it while `serve.start` waits for it (ActorDiedError: ProxyActor killed by ray.kill, seen
-    in benchmarks/RESULTS.md); that start is retried on a fresh Serve instance."""
+    (An HTTP proxy killed by Serve's controller while serve.start waits for it is waited for by serve_champion.)"""
     from ray import serve
-    from ray.exceptions import ActorDiedError
 
     from draftline.serving.control import serve_champion
 
-    for attempt in range(attempts):
-        serve.shutdown()
-        try:
-            return serve_champion(cfg)
-        except ActorDiedError as err:
-            if "ProxyActor" not in str(err) or attempt == attempts - 1:
-                raise
-            print(f"Serve's HTTP proxy was killed during serve.start (attempt {attempt + 1}); starting Serve again")
-    raise AssertionError("unreachable")
+    serve.shutdown()
+    return serve_champion(cfg)
 
 
 def stop_serving() -> None:
@@ -61,9 +50,9 @@ class FailedRequest(Exception):
         return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error) and bool(error["code"])
 
 
-async def _loop_load(url: str, stop: threading.Event, max_s: float, clients: int, body: dict) -> list:
-    """`clients` loops until `stop` or max_s; each result is (start_s, end_s, version or FailedRequest)."""
-    results: list[tuple[float, float, object]] = []
+async def _loop_load(url: str, stop: threading.Event, max_s: float, clients: int, body: dict, results: list) -> None:
+    """`clients` loops until `stop` or max_s; each result, appended to `results` as it comes, is
+    (start_s, end_s, version or FailedRequest)."""
     deadline = time.monotonic() + max_s
 
     async def client() -> None:
@@ -81,16 +70,15 @@ async def _loop_load(url: str, stop: threading.Event, max_s: float, clients: int
                 results.append((started, time.monotonic(), outcome))
 
     await asyncio.gather(*(client() for _ in range(clients)))
-    return results
 
 
 @contextlib.contextmanager
 def under_load(url: str, max_s: float = 40.0, clients: int = 4, body: Optional[dict] = None) -> Iterator[list]:
     """`clients` clients post chat completions to `url` for the with-block (max_s at most); the yielded list fills,
-    once the block ends, with (start_s, end_s, model version or FailedRequest) per request (time.monotonic)."""
+    as requests end, with (start_s, end_s, model version or FailedRequest) per request (time.monotonic)."""
     stop = threading.Event()
     results: list = []
-    load = threading.Thread(target=lambda: results.extend(asyncio.run(_loop_load(url, stop, max_s, clients, body or CHAT_BODY))))
+    load = threading.Thread(target=lambda: asyncio.run(_loop_load(url, stop, max_s, clients, body or CHAT_BODY, results)))
     load.start()
     try:
         yield results

@@ -84,3 +84,46 @@ def test_sigkill_of_an_engine_replica_then_an_ingress_replica_under_load_fails_n
             float("inf"))
     assert versions and not [f for f in failures if not f.openai_shaped], failures
     assert failures == []
+
+
+def test_serve_start_waits_for_the_new_proxy_when_the_first_was_killed(ray_cluster, tmp_path):
+    """Serve's controller kills an HTTP proxy that fails its readiness checks (under load) while serve.start waits for
+    it, and serve.start raises ActorDiedError. Here the test kills it the same way (ray.kill, no restart) as soon as
+    it exists: control.start_serve (the path of `draftline serve`) waits for the controller's new proxy instead."""
+    import threading
+
+    import httpx
+    import ray
+    from ray.serve._private.constants import NO_ROUTES_MESSAGE
+
+    from draftline.serving.control import base_url, start_serve
+
+    cfg = mlflow_test_config(tmp_path, [f"serve.port={free_port()}"])
+    proxy_name = f"SERVE_PROXY_ACTOR-{ray.get_runtime_context().get_node_id()}"
+    killed: list = []
+
+    def kill_the_proxy_once_it_exists() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                proxy = ray.get_actor(proxy_name, namespace="serve")
+            except ValueError:
+                time.sleep(0.01)
+                continue
+            ray.kill(proxy, no_restart=True)
+            killed.append(proxy._actor_id.hex())
+            return
+
+    stop_serving()
+    killer = threading.Thread(target=kill_the_proxy_once_it_exists, daemon=True)
+    killer.start()
+    try:
+        start_serve(cfg)
+        killer.join(timeout=10)
+        assert killed, "the proxy was not killed"
+        assert ray.get_actor(proxy_name, namespace="serve")._actor_id.hex() != killed[0]
+        # The new proxy answers on serve.port (with no app deployed: its 503 "Route table is not populated yet.").
+        response = httpx.get(f"{base_url(cfg)}/-/routes", timeout=30)
+        assert response.text == NO_ROUTES_MESSAGE, response.text
+    finally:
+        stop_serving()

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from draftline.extract.shards import TORCH_DTYPES, num_shards, shard_sample_range, stored_bytes_per_token
+from draftline.utils import actor_on_driver_node
 
 TRAIN, VAL = 0, 1
 PAYLOAD = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
@@ -208,7 +209,7 @@ def build_streams(cfg, plan: dict, split_tokens: dict, world_size: int) -> Onlin
 
     extract_cfg = cfg.extract
     shard_sizes = shard_sizes_for(len(split_tokens[TRAIN]), extract_cfg.samples_per_shard)
-    cursor = ray.remote(num_cpus=0)(StreamCursor).remote()
+    cursor = actor_on_driver_node(StreamCursor)
     refs = {split: ray.put(tokens) for split, tokens in split_tokens.items()}
     resources = {"num_cpus": extract_cfg.cpus_per_worker, "num_gpus": 1 if extract_cfg.use_gpu else 0}
     if extract_cfg.pipeline is not None:  # the stage actors hold the devices; this actor only drives them

@@ -31,10 +31,19 @@ from draftline.extract.shards import (
 )
 from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
-from draftline.utils import StorageFullError, StorageFullSink, is_uri, read_json, stable_hash
+from draftline.utils import (
+    StorageFullError,
+    StorageFullSink,
+    actor_on_driver_node,
+    fault_action_from_env,
+    is_uri,
+    read_json,
+    stable_hash,
+)
 
 DEFAULT_SPLITS = ("train", "val")
-# Test hook: make a worker die like a SIGKILLed process after N shards, once per marker file (tests/e2e).
+# Test hook: make a worker die like a SIGKILLed process (or hold, see utils.FAULT_ACTION_ENV) after N shards, once per
+# marker file (tests/e2e).
 FAULT_AFTER_SHARDS_ENV = "DRAFTLINE_EXTRACT_FAULT_AFTER_SHARDS"
 FAULT_MARKER_ENV = "DRAFTLINE_EXTRACT_FAULT_MARKER"
 
@@ -134,7 +143,7 @@ def _fault_injection_from_env() -> dict | None:
     marker = os.environ.get(FAULT_MARKER_ENV)
     if not marker:
         raise RuntimeError(f"{FAULT_AFTER_SHARDS_ENV} is set but {FAULT_MARKER_ENV} is not; set both or neither")
-    return {"after_shards": int(after), "marker": marker}
+    return {"after_shards": int(after), "marker": marker, "action": fault_action_from_env()}
 
 
 def _records_if_all_present(storage: Storage, total_shards: int) -> list[ShardRecord] | None:
@@ -259,7 +268,7 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
         {"split": job.split, "location": job.storage.location, "split_tokens_ref": ray.put(job.split_tokens)}
         for job in jobs
     ]
-    storage_full_sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
+    storage_full_sink = actor_on_driver_node(StorageFullSink)
     trainer = TorchTrainer(
         extract_loop_per_worker,
         train_loop_config={

@@ -27,7 +27,7 @@ from draftline.extract.shards import (
     write_shard,
 )
 from draftline.extract.storage import Storage
-from draftline.utils import StorageFullError
+from draftline.utils import StorageFullError, hold_until_killed
 from draftline.target.capture import capture_aux_hidden
 from draftline.target.stages import PipelinedTarget
 
@@ -206,7 +206,8 @@ def run_worker_shards(
 
 
 def _maybe_inject_fault(fault_injection: dict | None, shards_written: int) -> None:
-    """Test hook (DRAFTLINE_EXTRACT_FAULT_* env vars on the driver): die like a killed process, once per marker file."""
+    """Test hook (DRAFTLINE_EXTRACT_FAULT_* env vars on the driver): die like a killed process, or hold to be killed
+    with the whole node (DRAFTLINE_TEST_FAULT_ACTION=hold), once per marker file."""
     if not fault_injection or shards_written < fault_injection["after_shards"]:
         return
     marker = Path(fault_injection["marker"])
@@ -216,6 +217,8 @@ def _maybe_inject_fault(fault_injection: dict | None, shards_written: int) -> No
             handle.write(f"worker pid {os.getpid()} exited after {shards_written} shards\n")
     except FileExistsError:
         return
+    if fault_injection.get("action") == "hold":
+        hold_until_killed(marker, f"worker pid {os.getpid()} holding after {shards_written} shards")
     os._exit(137)
 
 

@@ -220,6 +220,39 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def start_serve(cfg: DraftlineConfig, proxy_timeout_s: float = 120) -> None:
+    """serve.start on serve.host:port with serve.proxy_location; returns once Serve's HTTP proxies are up.
+
+    Under load, Serve's controller can fail a new proxy's readiness check (5 s) three times and kill it while
+    serve.start waits for it: serve.start then raises ActorDiedError naming ProxyActor (seen at load ~30 on a 2-core
+    machine, and when a node died during the start). The controller is up by then and starts a new proxy itself, with
+    a longer readiness timeout on each restart, so wait for that one instead of failing."""
+    from ray import serve
+    from ray.exceptions import ActorDiedError
+
+    options = {"proxy_location": cfg.serve.proxy_location,
+               "http_options": {"host": cfg.serve.host, "port": cfg.serve.port}}
+    try:
+        serve.start(**options)
+        return
+    except ActorDiedError as err:
+        if "ProxyActor" not in str(err):
+            raise
+        logger.warning("Serve's controller restarted an HTTP proxy that was slow to start; waiting for the new one")
+    serve.start(**options)  # connects to the controller started above
+    deadline = time.monotonic() + proxy_timeout_s
+    while True:
+        proxies = _serve_client().get_serve_details().get("proxies") or {}
+        statuses = {node: proxy.get("status") for node, proxy in proxies.items()}
+        # DRAINING: a proxy on a node without replicas (proxy_location EveryNode), up but not taking new connections.
+        if "HEALTHY" in statuses.values() and set(statuses.values()) <= {"HEALTHY", "DRAINING"}:
+            return
+        if time.monotonic() > deadline:
+            raise ServingError(f"Serve's HTTP proxies were not up {proxy_timeout_s:.0f} s after a restart (status per "
+                               f"node: {statuses}); see the proxy logs under the Ray session dir")
+        time.sleep(0.5)
+
+
 def serve_champion(cfg: DraftlineConfig, blocking: bool = False) -> str:
     """Start Serve on serve.host:port, deploy the champion (or the target alone), return the base URL.
 
@@ -230,7 +263,7 @@ def serve_champion(cfg: DraftlineConfig, blocking: bool = False) -> str:
     from draftline.raycluster import ensure_ray
 
     ray_mode = ensure_ray(cfg)
-    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    start_serve(cfg)
     served = resolve_served_model(cfg)
     if cfg.serve.rollout == "blue_green":
         _apply(engine_app_config(cfg, served, ENGINE_APPS[0]), app_config(cfg, served, ENGINE_APPS[0]),

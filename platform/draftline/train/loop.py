@@ -30,7 +30,7 @@ from torch import nn
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import est_accept_len, ttt_loss
 from draftline.train.data import Batch, ShardSamples, TargetHead, collate
-from draftline.utils import StorageFullError, raise_if_storage_full
+from draftline.utils import StorageFullError, hold_until_killed, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
 TRAIN_STATE_FILE = "train_state.json"
@@ -280,8 +280,9 @@ def wait_for_committed_checkpoints() -> None:
 
 def maybe_kill_for_test(fault: dict | None, step: int, rank: int, world_size: int,
                         wait_for_checkpoints=wait_for_committed_checkpoints) -> None:
-    """Test hook: the last rank dies like a SIGKILLed process at `kill_at_step`, once per marker file, after the
-    checkpoints reported before are committed (so the test checks resume from a known checkpoint)."""
+    """Test hook: the last rank dies like a SIGKILLed process at `kill_at_step` (or, with action "hold", waits to be
+    killed with its node), once per marker file, after the checkpoints reported before are committed (so the test
+    checks resume from a known checkpoint)."""
     if not fault or step != fault["kill_at_step"] or rank != world_size - 1:
         return
     marker = Path(fault["marker"])
@@ -292,6 +293,8 @@ def maybe_kill_for_test(fault: dict | None, step: int, rank: int, world_size: in
     except FileExistsError:
         return
     wait_for_checkpoints()
+    if fault.get("action") == "hold":
+        hold_until_killed(marker, f"rank {rank} pid {os.getpid()} holding at step {step}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -23,7 +23,9 @@ from draftline.config import ConfigError, DraftlineConfig, shown_config, write_r
 from draftline.utils import (
     StorageFullError,
     StorageFullSink,
+    actor_on_driver_node,
     atomic_write_json,
+    fault_action_from_env,
     raise_if_storage_full,
     read_json,
     stable_hash,
@@ -238,7 +240,7 @@ def _fault_injection_from_env() -> dict | None:
     marker = os.environ.get(KILL_MARKER_ENV)
     if not marker:
         raise RuntimeError(f"{KILL_AT_STEP_ENV} is set but {KILL_MARKER_ENV} is not; set both or neither")
-    return {"kill_at_step": int(step), "marker": marker}
+    return {"kill_at_step": int(step), "marker": marker, "action": fault_action_from_env()}
 
 
 def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash: str, inputs: TrainInputs) -> str:
@@ -342,7 +344,7 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
     resources_per_worker = {"CPU": train_cfg.cpus_per_worker}
     if train_cfg.use_gpu:
         resources_per_worker["GPU"] = 1
-    storage_full_sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
+    storage_full_sink = actor_on_driver_node(StorageFullSink)
     data_kwargs: dict = {}
     if online is not None:
         from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for

@@ -10,6 +10,8 @@ expert weights loaded from per-expert checkpoint tensors), 4 stages of 2 layers 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -118,6 +120,7 @@ def test_extract_with_extract_pipeline_stores_what_the_whole_model_captures(
         "extract.cpus_per_worker=0.5", "extract.pipeline.stages=2", "extract.pipeline.cpus_per_stage=0.5",
     ])  # fmt: skip
     result = extract_with_stats(cfg, tiny_dataset_dir, split="val")
+    assert _live_stage_groups() == [], "the run's stage placement groups outlived it, holding their CPUs/GPUs"
     shards = HiddenStateShards(result.splits["val"].location)
     shards.verify()
     target = load_target(cfg)
@@ -129,6 +132,41 @@ def test_extract_with_extract_pipeline_stores_what_the_whole_model_captures(
         for offset, (aux, final) in enumerate(expected):
             stored = shards[start + offset]
             assert torch.equal(stored["aux_hidden"], aux) and torch.equal(stored["final_hidden"], final)
+
+
+def _live_stage_groups() -> list[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return [info["name"] for info in placement_group_table().values()
+            if info["name"].startswith("draftline-stages-") and info["state"] != "REMOVED"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_killed_owners_stage_group_is_removed_by_name_with_its_stage_actors(ray_cluster, tiny_target_dir):
+    """Ray keeps a placement group made inside an actor until the job ends, after that actor is killed (seen: two
+    such groups held 2 of the 4 CPUs of a later online run, which then waited forever for its target actors).
+    The driver's `remove_stage_groups(prefix)` frees them, and their stage actors with them."""
+    import ray
+
+    from draftline.target.stages import remove_stage_groups
+
+    @ray.remote(num_cpus=0)
+    class Owner:  # as an extraction worker or an online target actor holds its pipeline
+        def start(self, target_dir: str) -> list:
+            self.pipelined = PipelinedTarget(target_dir, AUX_LAYER_IDS, PipelineConfig(stages=2, cpus_per_stage=0.5),
+                                             "float32", group_name="draftline-stages-test-rank0")
+            return self.pipelined.actors
+
+    owner = Owner.remote()
+    stage_actors = ray.get(owner.start.remote(str(tiny_target_dir)))
+    ray.kill(owner)
+    time.sleep(2)
+    assert _live_stage_groups() == ["draftline-stages-test-rank0"], "Ray removed it: the driver's cleanup is moot"
+    assert remove_stage_groups("draftline-stages-test") == 1
+    assert _live_stage_groups() == []
+    for actor in stage_actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.node_and_device.remote(), timeout=60)
 
 
 @pytest.mark.slow
@@ -229,7 +267,11 @@ def test_online_target_actor_drives_the_stage_actors_and_streams_the_whole_model
         cursor = ray.remote(num_cpus=0)(StreamCursor).remote()
         capture = TargetCapture(cfg.model_dump(mode="json"), online["plan"], refs, cursor, rank=0)
         assert isinstance(capture.model, PipelinedTarget) == (name == "stages")
-        outputs[name] = capture(dict(rows))
+        try:
+            outputs[name] = capture(dict(rows))
+        finally:
+            if name == "stages":
+                capture.model.shutdown()
     for column in ("aux_hidden", "final_hidden", "input_ids", "loss_mask"):
         assert len(outputs["stages"][column]) == len(outputs["whole"][column]) == 9
         for got, want in zip(outputs["stages"][column], outputs["whole"][column]):

@@ -135,7 +135,8 @@ class TargetCapture:
         cfg = DraftlineConfig.model_validate(config)
         self.plan = plan
         self.device = torch.device("cuda" if cfg.extract.use_gpu and cfg.extract.pipeline is None else "cpu")
-        self.model = load_capture_model(cfg, plan, self.device, f"online target actor pid {os.getpid()}")
+        self.model = load_capture_model(cfg, plan, self.device, f"online target actor pid {os.getpid()}",
+                                        slot=f"rank{rank}-{ray.get_runtime_context().get_actor_id() or os.getpid()}")
         self.split_tokens = {split: ray.get(ref) for split, ref in split_tokens_refs.items()}
         self.cursor, self.rank = cursor, rank
         self.fault = fault

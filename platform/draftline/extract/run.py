@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from draftline.extract.shards import (
 )
 from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
+from draftline.target.stages import remove_stage_groups
 from draftline.utils import (
     StorageFullError,
     StorageFullSink,
@@ -292,6 +294,8 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
         trainer.fit()
     except Exception as err:
         failure = err
+    finally:
+        remove_stage_groups(plan["stage_groups"])  # those of killed workers, which no `finally` of theirs removed
     storage_full = ray.get(storage_full_sink.messages.remote())
     ray.kill(storage_full_sink)
     if storage_full:  # the cause, even when another worker then failed too
@@ -407,6 +411,8 @@ def capture_plan(cfg: DraftlineConfig, target: TargetInfo, aux_layer_ids: list[i
         "batch_size": cfg.extract.batch_size,
         "pad_id": target.pad_id,
         "dtype": cfg.extract.dtype,
+        # extract.pipeline: the prefix of this run's stage placement groups (target.stages.remove_stage_groups)
+        "stage_groups": f"draftline-stages-{uuid.uuid4().hex[:12]}",
     }
 
 

@@ -222,10 +222,11 @@ def _maybe_inject_fault(fault_injection: dict | None, shards_written: int) -> No
     os._exit(137)
 
 
-def load_capture_model(cfg, plan: dict, device: torch.device, who: str):
+def load_capture_model(cfg, plan: dict, device: torch.device, who: str, slot: str):
     """What `_captured` runs: the target on `device` in this process, or (extract.pipeline) a `PipelinedTarget`
-    whose stage actors hold it. Used by the offline extraction workers and the online target actors alike; either
-    way the target files must have the fingerprint the driver saw."""
+    whose stage actors hold it, its placement group named `<plan's stage_groups>-<slot>` (the driver removes the
+    run's groups when it is done). Used by the offline extraction workers and the online target actors alike;
+    either way the target files must have the fingerprint the driver saw."""
     from draftline.target.load import load_target
 
     torch.set_num_threads(max(1, int(cfg.extract.cpus_per_worker)))
@@ -233,7 +234,7 @@ def load_capture_model(cfg, plan: dict, device: torch.device, who: str):
         # This process drives one pipeline; its stage actors hold the target (and the GPUs), each checks the files.
         model = PipelinedTarget(
             plan["target_dir"], plan["aux_layer_ids"], cfg.extract.pipeline, cfg.target.dtype,
-            cfg.target.trust_remote_code, plan["target_fingerprint"],
+            cfg.target.trust_remote_code, plan["target_fingerprint"], group_name=f"{plan['stage_groups']}-{slot}",
         )  # fmt: skip
         print(f"[extract] {who}: pipeline stages {model.layout}", flush=True)
         return model
@@ -259,7 +260,17 @@ def extract_loop_per_worker(loop_config: dict) -> None:
     cfg = DraftlineConfig.model_validate(loop_config["config"])
     plan = loop_config["plan"]
     device = ray.train.torch.get_device() if cfg.extract.use_gpu and cfg.extract.pipeline is None else torch.device("cpu")
-    model = load_capture_model(cfg, plan, device, f"worker {rank}")
+    model = load_capture_model(cfg, plan, device, f"worker {rank}", slot=f"rank{rank}")
+    try:
+        _extract_splits_of_worker(model, loop_config, rank, world_size, plan, device)
+    finally:
+        if isinstance(model, PipelinedTarget):
+            model.shutdown()
+
+
+def _extract_splits_of_worker(model, loop_config: dict, rank: int, world_size: int, plan: dict, device) -> None:
+    import ray
+
     for split in loop_config["splits"]:
         split_tokens: SplitTokens = ray.get(split["split_tokens_ref"])
         split_plan = {**plan, "shard_metadata": {**plan["shard_metadata"], "split": split["split"]}}

@@ -224,6 +224,7 @@ class PipelinedTarget:
         dtype: str,
         trust_remote_code: bool = False,
         expected_fingerprint: str | None = None,
+        group_name: str | None = None,
     ):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -237,7 +238,11 @@ class PipelinedTarget:
         self.plans = plan_stages(num_layers, pipeline)
         self.max_in_flight = pipeline.micro_batches_in_flight or 2 * len(self.plans)
         bundle = {"CPU": pipeline.cpus_per_stage, **({"GPU": pipeline.gpus_per_stage} if pipeline.gpus_per_stage else {})}
-        self._placement_group = placement_group([dict(bundle) for _ in self.plans], strategy="PACK")
+        if group_name is not None:
+            # The same slot's group from an earlier attempt (a restarted worker group): its owner is gone, and Ray
+            # would keep the group (and its GPUs) until the job ends.
+            remove_stage_groups(group_name, exact=True)
+        self._placement_group = placement_group([dict(bundle) for _ in self.plans], strategy="PACK", name=group_name or "")
         try:
             ray.get(self._placement_group.ready(), timeout=pipeline.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -302,3 +307,21 @@ class PipelinedTarget:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self._placement_group)
+
+
+def remove_stage_groups(name: str, exact: bool = False) -> int:
+    """Remove the stage placement groups named `name` (or, unless `exact`, starting with it) and with them their
+    stage actors: -> how many. A placement group made inside a Ray actor (an extraction worker, an online target
+    actor) outlives that actor until the whole job ends, so the driver removes its run's groups once the workers
+    are done, killed ones included."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    removed = 0
+    for info in placement_group_table().values():
+        matches = info["name"] == name if exact else info["name"].startswith(name)
+        if matches and info["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(info["placement_group_id"]))))
+            removed += 1
+    return removed

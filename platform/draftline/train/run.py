@@ -377,6 +377,10 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
     try:
         return trainer.fit()
     finally:
+        if online is not None:  # the target actors' stage groups (extract.pipeline): Ray keeps them until the job ends
+            from draftline.target.stages import remove_stage_groups
+
+            remove_stage_groups(online["plan"]["stage_groups"])
         storage_full = ray.get(storage_full_sink.messages.remote())
         ray.kill(storage_full_sink)
         if storage_full:  # the cause, whether fit() then returned (the retried group stops at once) or raised

@@ -94,20 +94,14 @@ class MultiNodeCluster:
     @contextlib.contextmanager
     def _node_environment(self):
         from draftline.raycluster import _loopback_only_node
+        from draftline.utils import environment_restored
 
-        saved = {name: os.environ.get(name) for name in (*self.node_env, *self.hidden_env)}
-        for name in self.hidden_env:
-            os.environ.pop(name, None)
-        os.environ.update(self.node_env)
-        try:
+        with environment_restored(*self.node_env, *self.hidden_env):
+            for name in self.hidden_env:
+                os.environ.pop(name, None)
+            os.environ.update(self.node_env)
             with _loopback_only_node():
                 yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
     def add_worker_node(self, **extra) -> str:
         """Start a fresh worker node (the next name: worker3 after worker1 and worker2) and wait until it is up."""

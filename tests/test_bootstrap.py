@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
+
+import pytest
 
 from draftline.target.bootstrap import bootstrap_summary, bootstrap_target
 from draftline.target.load import default_aux_layer_ids, load_target, target_fingerprint
@@ -27,10 +28,14 @@ def test_loads_with_transformers_and_has_chat_template(tiny_cfg, tiny_target_dir
     assert all(c["messages"][-1]["role"] == "assistant" for c in conversations)
 
 
-def test_second_bootstrap_is_cached(tiny_cfg, tiny_target_dir):
-    started = time.monotonic()
+def test_second_bootstrap_is_cached(tiny_cfg, tiny_target_dir, monkeypatch):
+    """The cache is hit: nothing is built again and no file of the target is rewritten."""
+    import draftline.target.bootstrap as bootstrap
+
+    before = {p: p.stat().st_mtime_ns for p in tiny_target_dir.rglob("*") if p.is_file()}
+    monkeypatch.setattr(bootstrap, "_build_target", lambda *a: pytest.fail("the cached target was built again"))
     assert bootstrap_target(tiny_cfg) == tiny_target_dir
-    assert time.monotonic() - started < 10
+    assert {p: p.stat().st_mtime_ns for p in tiny_target_dir.rglob("*") if p.is_file()} == before
 
 
 def test_default_aux_layers_match_sglang():

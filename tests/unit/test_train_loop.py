@@ -27,10 +27,9 @@ from draftline.train.loop import (
     maybe_kill_for_test,
     objective_inputs,
     save_and_report,
-    train_loop_per_worker,
 )
 from draftline.train.run import flatten
-from draftline.utils import StorageFullError, StorageFullSink
+from draftline.utils import StorageFullError
 
 HIDDEN, TARGET_VOCAB, DRAFT_VOCAB = 16, 40, 24
 
@@ -236,29 +235,3 @@ def test_a_full_disk_while_checkpointing_is_one_line_naming_the_place_and_the_se
         assert re.match(rf"cannot write {tempfile.gettempdir()}/draftline-ckpt-rank1-\w+: No space left on device .*"
                         r"point TMPDIR at a writable disk with room, then rerun$", message), message
     assert _staging_dirs() == before, "the staged checkpoint must be removed"
-
-
-def test_a_full_disk_stops_the_worker_group_and_its_retry_does_not_train(ray_cluster, monkeypatch):
-    """Ray Train retries every worker error (FailureConfig.max_failures), so a full disk restarted the group to fail
-    the same way. Now the failing rank leaves the message with the driver's sink, and the retried workers return
-    before building anything."""
-    import ray
-
-    import draftline.train.loop as loop_module
-
-    attempts = []
-
-    def train_until_the_disk_fills(loop_config):
-        attempts.append(len(attempts))
-        raise StorageFullError("cannot write /ck: No space left on device")
-
-    monkeypatch.setattr(loop_module, "_train", train_until_the_disk_fills)
-    sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
-    try:
-        with pytest.raises(StorageFullError):
-            train_loop_per_worker({"storage_full_sink": sink})
-        assert ray.get(sink.messages.remote()) == ["cannot write /ck: No space left on device"]
-        train_loop_per_worker({"storage_full_sink": sink})  # Ray Train's retry of the group
-        assert attempts == [0], "the retried worker must not train again"
-    finally:
-        ray.kill(sink)

@@ -1,6 +1,6 @@
 """Shape twins (configs/twins/): each family's real transformers class and config semantics at CPU size, trained
-here so its replies are learnable, served token-identically by the reference engine (MoE and MLA caches included),
-and run through the whole pipeline (Ray Train + DeepSpeed, the MLflow gate, promotion) at test size.
+here so its replies are learnable, served token-identically by the reference engine (MoE and MLA caches included).
+One twin per architecture class also runs the whole pipeline: tests/e2e/test_twin_pipelines.py.
 
 Twins are built once per test data dir (cached by hash, like the embedded default). Every production config and its
 twin must pass `draftline run --dry-run`.
@@ -8,13 +8,11 @@ twin must pass `draftline run --dry-run`.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, SMALL_BENCH, twin_config
+from conftest import PRODUCTION, REPO, TWINS, twin_config
 from draftline.config import load_config
 from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
@@ -23,41 +21,14 @@ from draftline.target.load import default_aux_layer_ids, read_target_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TWINS = sorted(p.stem for p in (REPO / "configs" / "twins").glob("*.yaml"))
-# Production config -> the published model's head ratio and whether it ties embeddings (from its config.json).
-PRODUCTION = {
-    "llama3.1-8b-4xgpu": {"architecture": "LlamaForCausalLM", "rope_type": "llama3", "gqa": 32 // 8},
-    "qwen3-8b": {"architecture": "Qwen3ForCausalLM", "rope_type": "default", "gqa": 32 // 8},
-    "qwen3-30b-a3b": {"architecture": "Qwen3MoeForCausalLM", "rope_type": "default", "gqa": 32 // 4},
-    "kimi-k2.5": {"architecture": "DeepseekV3ForCausalLM", "rope_type": "yarn", "gqa": 1},
-}
-
-
-PRODUCTION_CONFIGS = {p.stem for p in (REPO / "configs").glob("*.yaml") if load_config(p).target.kind == "hf"}
-
-
-@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) for t in TWINS])
+@pytest.fixture(scope="module", params=TWINS)
 def twin(request):
     cfg = twin_config(request.param)
     return request.param, cfg, bootstrap_target(cfg)
 
 
-def test_every_production_config_has_a_twin():
-    missing = sorted(PRODUCTION_CONFIGS - set(TWINS))
-    assert not missing, f"production configs without a shape twin in configs/twins/: {missing}"
-    assert {"llama3.1-8b-4xgpu", "kimi-k2.5", "qwen3-8b"} <= PRODUCTION_CONFIGS
-    assert set(TWINS) == set(PRODUCTION)
 
 
-@pytest.mark.parametrize("config", sorted(PRODUCTION_CONFIGS) + [f"twins/{t}" for t in TWINS])
-def test_dry_run_of_production_configs_and_their_twins(config):
-    done = subprocess.run([sys.executable, "-m", "draftline.cli", "run", "--config", str(REPO / "configs" / f"{config}.yaml"),
-                           "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    cfg = load_config(REPO / "configs" / f"{config}.yaml")
-    # Twins are built here (bootstrap); a production config regenerates its data first when it says so.
-    first = "bootstrap" if cfg.target.kind == "embedded" else "regenerate" if cfg.regenerate.enabled else "prepare"
-    assert f"# stages: {first} -> " in done.stdout and done.stdout.rstrip().endswith("-> serve"), done.stdout[-2000:]
 
 
 def test_twin_has_its_family_semantics_and_learned_the_corpus(twin):
@@ -138,27 +109,3 @@ def test_aux_layer_rule_is_the_productions(twin):
         assert abs(twin_ratio - ratio) < 0.01, (twin_ratio, ratio)
         assert production.engine.speculative == cfg.engine.speculative
     assert len(default_aux_layer_ids(num_layers)) == len(set(default_aux_layer_ids(num_layers)))
-
-
-# The pipeline per twin at test size: the twin's target (built above, cached), short training, a two-round gate.
-TWIN_PIPELINE = ["train.max_steps=80", "gate.min_speedup=0.5", "gate.min_rounds=2", "gate.max_rounds=2",
-                 *SMALL_BENCH]  # fmt: skip
-
-
-def test_pipeline_runs_on_the_twin_and_the_gate_records_its_figures(twin, ray_cluster):
-    """bootstrap -> prepare -> extract (Ray) -> train (Ray Train + DeepSpeed) -> gate (MLflow registry) -> promote."""
-    from draftline.pipeline import run_pipeline
-
-    name, _, target_dir = twin
-    cfg = twin_config(name, TWIN_PIPELINE)
-    summary = run_pipeline(cfg, from_stage="bootstrap", until="promote")
-    assert all(stage["status"] == "ran" for stage in summary.values()), summary
-    assert summary["bootstrap"]["outputs"]["target_dir"] == str(target_dir)
-    val = summary["train"]["outputs"]["metrics"]
-    assert val["val_acc_0"] >= 0.5 and val["val_est_accept_len"] >= 1.5, val
-    gate = summary["gate"]["outputs"]
-    assert gate["passed"] and gate["verdict"] == "passed", gate["reasons"]
-    assert gate["bench"]["lossless"] is True and gate["bench"]["accept_length"] > 1.5, gate["bench"]
-    low, high = gate["intervals"]["speedup@1"]
-    assert low <= gate["bench"]["speedup"] <= high
-    assert summary["promote"]["outputs"] == {"promoted": True, "version": gate["version"]}

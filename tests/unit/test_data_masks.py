@@ -1,4 +1,4 @@
-"""Loss masks on the tiny target's own chat template (the published families' layouts: tests/test_chat_templates.py)."""
+"""Loss masks on the tiny target's own chat template (the published families' layouts: tests/unit/test_chat_templates.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from draftline.engines.sglang.args import FLAGS_DIR, available_flag_versions, fl
 from draftline.engines.sglang.real import sglang_root
 from draftline.engines.sglang.rules import VERSION_TABLE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Every release on PyPI from 0.5.6 to 0.5.23 (`pip index versions sglang`).
 RELEASES = [
     "0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7", "0.5.8", "0.5.8.post1", "0.5.9", "0.5.10", "0.5.10.post1",

@@ -11,19 +11,14 @@ from draftline.drafter.export import load_drafter, read_export_meta
 from draftline.drafter.model import Eagle3Drafter
 from draftline.extract.shards import HiddenStateShards
 from draftline.train.run import train
-from tests.train_helpers import hidden_states_of_test_target, short_run_config
-
-pytestmark = pytest.mark.slow
-
-MAX_STEPS = 6
+from tests.train_helpers import SHORT_RUN_STEPS as MAX_STEPS
 
 
-def test_short_two_worker_run_exports_logs_and_registers(ray_cluster, tiny_cfg, tiny_target_dir, tiny_dataset_dir, tmp_path):
+def test_short_two_worker_run_exports_logs_and_registers(short_offline_run, tiny_target_dir, tiny_dataset_dir):
+    """The shared short run (conftest.short_offline_run), whichever test trained it first."""
     from mlflow import MlflowClient
 
-    hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)
-    cfg = short_run_config(tmp_path, [f"train.max_steps={MAX_STEPS}"])
-    result = train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)
+    cfg, hidden_dir, result = short_offline_run
 
     manifest = HiddenStateShards(hidden_dir / "train").manifest
     drafter = load_drafter(result.export_dir)

@@ -24,8 +24,8 @@ from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn
 from draftline.target.bootstrap import _train_tokenizer
 from draftline.target.chat_layouts import TEMPLATE_DIR, chat_layout, layout_names
 
-FAMILIES = [name for name in layout_names() if name != "draftline"]  # draftline's own: tests/test_data_masks.py
-GOLDEN = Path(__file__).parent / "data" / "chat_templates"
+FAMILIES = [name for name in layout_names() if name != "draftline"]  # draftline's own: tests/unit/test_data_masks.py
+GOLDEN = Path(__file__).parents[1] / "data" / "chat_templates"
 
 CORPUS = [
     "be brief. what is two plus two? it is four. and three? five.",

@@ -12,7 +12,6 @@ import pytest
 
 from conftest import VLLM_TEST_OVERRIDES, make_test_config
 
-pytestmark = pytest.mark.slow
 
 
 def test_a_crashed_server_is_restarted_and_a_stop_leaves_nothing(tiny_target_dir):

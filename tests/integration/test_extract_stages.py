@@ -102,7 +102,6 @@ def test_extraction_shards_through_the_pipeline_are_byte_identical(pipeline, tmp
         assert stores["stages"].read_bytes(name) == stores["whole"].read_bytes(name)
 
 
-@pytest.mark.slow
 def test_extract_with_extract_pipeline_stores_what_the_whole_model_captures(
     ray_cluster, tiny_dataset_dir, tmp_path, one_torch_thread
 ):
@@ -141,7 +140,6 @@ def _live_stage_groups() -> list[str]:
             if info["name"].startswith("draftline-stages-") and info["state"] != "REMOVED"]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_a_killed_owners_stage_group_is_removed_by_name_with_its_stage_actors(ray_cluster, tiny_target_dir):
     """Ray keeps a placement group made inside an actor until the job ends, after that actor is killed (seen: two
     such groups held 2 of the 4 CPUs of a later online run, which then waited forever for its target actors).
@@ -169,7 +167,6 @@ def test_a_killed_owners_stage_group_is_removed_by_name_with_its_stage_actors(ra
             ray.get(actor.node_and_device.remote(), timeout=60)
 
 
-@pytest.mark.slow
 def test_stages_the_cluster_cannot_fit_fail_with_what_to_change(ray_cluster, tiny_target_dir):
     too_big = PipelineConfig(stages=2, cpus_per_stage=1000, placement_timeout_s=2)
     with pytest.raises(RuntimeError, match="could not fit 2 pipeline stages .* lower extract.pipeline.stages"):
@@ -242,7 +239,6 @@ def test_kimi_layout_fits_h200s_by_the_models_own_parameter_count():
     assert 4 * layer_params[1] * bytes_per_weight + budget_bytes > h200_bytes  # why 3 layers per stage at most
 
 
-@pytest.mark.slow
 def test_online_target_actor_drives_the_stage_actors_and_streams_the_whole_models_capture(
     ray_cluster, tiny_target_dir, tiny_dataset_dir, tmp_path, one_torch_thread
 ):

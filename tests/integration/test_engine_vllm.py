@@ -24,7 +24,7 @@ from vllm_helpers import (
     register_fitted, vllm_bench,
 )  # fmt: skip
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Test target: the config's bench prompts (the bench split has 19, each answered in about 8 tokens), one round at
 # concurrency 1 (tests/vllm_helpers.py), a second or two per load. Fewer would not do: 8 of them make about 23 drafts,

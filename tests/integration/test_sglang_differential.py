@@ -21,7 +21,7 @@ from draftline.engines.sglang.real import find_installation, run_sglang_checks, 
 from draftline.engines.sglang.rules import SERVER_ARGS_PHASES, VERSION_TABLE
 from sglang_corpus import corpus, write_models
 
-EXPECTATIONS = Path(__file__).with_name("sglang_differential_expectations.yaml")
+EXPECTATIONS = Path(__file__).parents[1] / "sglang_differential_expectations.yaml"
 pytestmark = pytest.mark.sglang
 
 

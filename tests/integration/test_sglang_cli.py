@@ -11,7 +11,7 @@ from pathlib import Path
 
 from draftline.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STORY = ["python", "-m", "sglang.launch_server", "--model-path", "org/target", "--speculative-algorithm", "EAGLE3",
          "--speculative-draft-model-path", "org/draft"]  # fmt: skip
 

@@ -19,7 +19,7 @@ from draftline.engines.sglang.engine import SGLangEngine, SGLangError, spec_stat
 from draftline.engines.sglang.preflight import PreflightError
 from conftest import free_port, make_test_config
 
-FAKE_SERVER = [sys.executable, str(Path(__file__).with_name("fake_sglang_server.py"))]
+FAKE_SERVER = [sys.executable, str(Path(__file__).parents[1] / "fake_sglang_server.py")]
 
 
 def sglang_config(extra=()):

@@ -6,7 +6,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 
 from draftline.data.prepare import load_split
@@ -16,7 +15,6 @@ from draftline.target.capture import capture_aux_hidden
 from draftline.target.load import default_aux_layer_ids, load_target
 from tests.conftest import make_test_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def shards_of(split_dir: Path) -> list[Path]:

@@ -19,7 +19,7 @@ from draftline.engines.sglang.args import build_launch_argv, flag_table_for
 from draftline.engines.sglang.preflight import preflight_report
 from draftline.engines.sglang.real import find_installation, run_sglang_checks, sglang_root
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PRODUCTION_CONFIGS = sorted(
     p for p in (REPO / "configs").glob("*.yaml") if load_config(p).engine.backend == "sglang"
 )

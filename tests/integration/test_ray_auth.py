@@ -14,7 +14,6 @@ import pytest
 
 from draftline.raycluster import LOCAL_ONLY_ENV
 
-pytestmark = [pytest.mark.e2e]
 
 CONNECT = "import ray, sys; ray.init(address=sys.argv[1]); print('CONNECTED', ray.cluster_resources().get('CPU'))"
 

@@ -24,7 +24,7 @@ from draftline.serving.openai_api import (
 from draftline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, Usage
 from draftline.serving.served_model import ServedModel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_unknown_field_is_rejected_and_named():
@@ -305,5 +305,5 @@ def test_the_api_token_or_only_its_sha256_enables_auth(monkeypatch):
     monkeypatch.setenv(auth_token_sha256_env(cfg), "s3cret")
     with pytest.raises(ConfigError, match="DRAFTLINE_TEST_TOKEN_SHA256 must be the sha256"):
         auth_token_sha256_from_env(cfg)
-    commented = (Path(__file__).parents[1] / "serve" / "serve_config.yaml").read_text()
+    commented = (REPO / "serve" / "serve_config.yaml").read_text()
     assert "DRAFTLINE_API_TOKEN_SHA256" in commented and "DRAFTLINE_API_TOKEN:" not in commented

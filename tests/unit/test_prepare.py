@@ -60,7 +60,7 @@ def test_two_processes_preparing_one_dataset_build_it_once(tmp_path, tiny_target
 
     script = ("import sys; from conftest import make_test_config; from draftline.data.prepare import prepare; "
               f"print('OUT', prepare(make_test_config(sys.argv[1]), {str(tiny_target_dir)!r}))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]

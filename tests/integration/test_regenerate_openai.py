@@ -14,7 +14,6 @@ from registry_helpers import mlflow_test_config
 from conftest import VLLM_TEST_OVERRIDES, free_port
 from serve_helpers import start_serving, stop_serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 CONVERSATIONS = 8
 

@@ -71,7 +71,6 @@ class _Layers:
     pass
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("version", SGLANG_VERSIONS_CHECKED)
 def test_sglang_llama_capture_is_what_the_rule_says(version):
     """Runs SGLang's own LlamaForCausalLM.set_eagle3_layers_to_capture (from the released wheel) on a stand-in model."""
@@ -113,7 +112,6 @@ SGLANG_FAMILY_FILES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("version", SGLANG_VERSIONS_CHECKED)
 @pytest.mark.parametrize("model_file, class_name, family, layers", SGLANG_FAMILY_FILES, ids=lambda v: str(v))
 def test_sglang_family_capture_is_what_the_rule_says(version, model_file, class_name, family, layers):
@@ -176,7 +174,6 @@ print("REPORT", json.dumps(report))
 """
 
 
-@pytest.mark.slow
 def test_vllm_capture_per_family_is_what_the_rule_says():
     """vLLM 0.32 (.venv-vllm): Llama and Qwen3 support EAGLE-3, their own forward captures, for the ids our rule writes,
     exactly the layer outputs the drafter was trained on, and their default layers are the rule's."""

@@ -150,7 +150,7 @@ def test_export_files_are_readable_by_other_users_under_a_022_umask(tmp_path):
     Run in a fresh process so that the umask the writer reads is the one set here."""
     code = ("import os, sys; os.umask(0o022); from drafter_helpers import tiny_drafter; "
             "from draftline.drafter.export import export_drafter; export_drafter(tiny_drafter(), sys.argv[1], meta={})")
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(Path(__file__).parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH", "")) if p)
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "export")], env=env, capture_output=True,

@@ -18,7 +18,6 @@ from draftline.tracking import GATE_TAG
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
 from serve_helpers import start_serving, stop_serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 TOKEN = "test-token-123"
 TOKEN_ENV = "DRAFTLINE_TEST_SERVE_TOKEN"

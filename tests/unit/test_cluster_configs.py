@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shlex
 
-import pytest
 import yaml
 
 from draftline.config import load_config

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save
 
-from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+from draftline.drafter.model import DrafterConfig, Eagle3Drafter, drafter_rope_scaling, exported_rope_scaling
 from draftline.target.aux_layers import DEFAULT_FAMILY, rule_for, written_aux_ids
 from draftline.utils import atomic_write_bytes, atomic_write_json, read_json
 
@@ -91,7 +91,7 @@ def hf_config(config: DrafterConfig, torch_dtype: str) -> dict[str, Any]:
         "attention_bias": False,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
+        "rope_scaling": exported_rope_scaling(config.rope_scaling),
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.target_vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
@@ -117,16 +117,8 @@ def sglang_versions_supported(config: DrafterConfig) -> list[str]:
     ]
 
 
-def export_drafter(
-    model: Eagle3Drafter, out_dir: str | os.PathLike, meta: Optional[dict[str, Any]] = None, dtype: Optional[str] = None
-) -> Path:
-    """Write config.json, model.safetensors and draftline.json (meta + what this export was checked against).
-
-    dtype: "float32" | "bfloat16" | "float16" for the float weights (default: the model's own dtype).
-    draftline.json is written last, so its presence marks a complete export.
-    """
-    out = Path(out_dir)
-    cfg = model.config
+def export_tensors(model: Eagle3Drafter, dtype: Optional[str]) -> tuple[dict[str, torch.Tensor], str]:
+    """The drafter's tensors under SGLang's checkpoint names, float ones cast to `dtype` (default: the model's own)."""
     if dtype is None:
         dtype = _dtype_name(next(model.parameters()).dtype)
     if dtype not in _DTYPES:
@@ -137,29 +129,48 @@ def export_drafter(
         if tensor.is_floating_point():
             tensor = tensor.to(_DTYPES[dtype])
         tensors[name] = tensor.contiguous()
-    expected = expected_weight_shapes(cfg)
+    expected = expected_weight_shapes(model.config)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     if got != expected:
         raise ValueError(f"drafter state does not match SGLang's checkpoint layout: got {got}, expected {expected}")
+    return tensors, dtype
 
+
+def write_export(
+    out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config_json: dict[str, Any], meta: dict[str, Any]
+) -> Path:
+    """model.safetensors, config.json, then draftline.json (meta + weights_sha256 + time): its presence marks a complete export."""
+    out = Path(out_dir)
     weights = save(tensors, metadata={"format": "pt"})
     atomic_write_bytes(out / WEIGHTS_FILE, weights)
-    atomic_write_json(out / "config.json", hf_config(cfg, dtype))
+    atomic_write_json(out / "config.json", config_json)
+    # weights_sha256 is checked by the registry before a version is promoted or served (registry.verify_export).
+    meta = {**meta, "weights_sha256": hashlib.sha256(weights).hexdigest(), "exported_at_unix_s": int(time.time())}
+    atomic_write_json(out / META_FILE, meta)
+    return out
+
+
+def export_drafter(
+    model: Eagle3Drafter, out_dir: str | os.PathLike, meta: Optional[dict[str, Any]] = None, dtype: Optional[str] = None
+) -> Path:
+    """Write config.json, model.safetensors and draftline.json (meta + what this export was checked against).
+
+    dtype: "float32" | "bfloat16" | "float16" for the float weights (default: the model's own dtype).
+    draftline.json is written last, so its presence marks a complete export.
+    """
+    cfg = model.config
+    tensors, dtype = export_tensors(model, dtype)
     export_meta = {
         **(meta or {}),
         "format_version": EXPORT_FORMAT_VERSION,
         "aux_layer_ids": list(cfg.aux_layer_ids),
         "drafter_config": cfg.to_dict(),
         "dtype": dtype,
-        # Checked by the registry before a version is promoted or served (registry.verify_export).
-        "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "sglang_versions_checked": list(SGLANG_VERSIONS_CHECKED),
         "sglang_versions_supported": sglang_versions_supported(cfg),
         "vllm_versions_checked": list(VLLM_VERSIONS_CHECKED),
-        "exported_at_unix_s": int(time.time()),
     }
-    atomic_write_json(out / META_FILE, export_meta)
-    return out
+    return write_export(out_dir, tensors, hf_config(cfg, dtype), export_meta)
 
 
 def read_export_meta(export_dir: str | os.PathLike) -> dict[str, Any]:
@@ -192,7 +203,7 @@ def config_from_hf(hf: dict[str, Any]) -> DrafterConfig:
         rms_norm_eps=hf["rms_norm_eps"],
         rope_theta=hf["rope_theta"],
         max_position_embeddings=hf["max_position_embeddings"],
-        rope_scaling=hf.get("rope_scaling"),
+        rope_scaling=drafter_rope_scaling(hf.get("rope_scaling"), "config.json rope_scaling"),
     )
 
 
@@ -229,12 +240,8 @@ def save_drafter_checkpoint(model: Eagle3Drafter, ckpt_dir: str | os.PathLike) -
     return ckpt
 
 
-def export_from_checkpoint(
-    ckpt_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    meta: Optional[dict[str, Any]] = None,
-    dtype: Optional[str] = None,
-) -> Path:
+def load_drafter_checkpoint(ckpt_dir: str | os.PathLike) -> Eagle3Drafter:
+    """The drafter of a training checkpoint directory (drafter_state.pt + drafter_config.json), weights as trained."""
     ckpt = Path(ckpt_dir)
     state_path, config_path = ckpt / CHECKPOINT_STATE_FILE, ckpt / CHECKPOINT_CONFIG_FILE
     for path in (state_path, config_path):
@@ -251,6 +258,13 @@ def export_from_checkpoint(
     except RuntimeError as err:
         raise ValueError(f"{state_path} does not fit {config_path}: {err}") from None
     model.set_vocab(state["d2t"], state["t2d"])
-    if dtype is None:
-        dtype = _dtype_name(state["fc.weight"].dtype)
-    return export_drafter(model, out_dir, meta=meta, dtype=dtype)
+    return model.to(state["fc.weight"].dtype)
+
+
+def export_from_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    meta: Optional[dict[str, Any]] = None,
+    dtype: Optional[str] = None,
+) -> Path:
+    return export_drafter(load_drafter_checkpoint(ckpt_dir), out_dir, meta=meta, dtype=dtype)

@@ -16,8 +16,10 @@ PYTEST_PARALLEL := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS)
 
 # SGLang's own argument code (CPU, no GPU packages), for check-sglang-args and the SGLang tests.
 SGLANG_ROOT ?= .sglang
+# speculators' and SpecForge's own code (overlays run by .venv's interpreter), for the tests that load exports with it.
+PEERS_ROOT ?= .peers
 
-.PHONY: setup setup-vllm sglang demo serve test test-fast bench clean
+.PHONY: setup setup-vllm sglang peers demo serve test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +44,11 @@ $(SGLANG_ROOT)/.installed: $(VENV)/.installed scripts/setup_sglang_venv.sh scrip
 	SGLANG_ROOT=$(SGLANG_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_sglang_venv.sh
 	touch $@
 
+peers: $(PEERS_ROOT)/.installed
+
+$(PEERS_ROOT)/.installed: $(VENV)/.installed scripts/setup_peer_envs.sh
+	PEERS_ROOT=$(PEERS_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_peer_envs.sh
+
 demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
 
@@ -49,10 +56,10 @@ demo: setup
 serve: setup
 	$(VENV)/bin/draftline serve --config configs/tiny-cpu.yaml
 
-test: setup setup-vllm sglang
+test: setup setup-vllm sglang peers
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
-test-fast: setup setup-vllm sglang
+test-fast: setup setup-vllm sglang peers
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 bench: setup

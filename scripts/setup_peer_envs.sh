@@ -11,7 +11,8 @@
 # full dependency sets are GPU stacks (SpecForge pins sglang and torch 2.11; speculators torchvision/torchaudio); a
 # separate venv per tool would install torch again (81 s each, measured, benchmarks/RESULTS.md "Peer tools").
 #
-# Usage: scripts/setup_peer_envs.sh   Env: PEERS_ROOT (default .peers), DRAFTLINE_PYTHON (default .venv/bin/python)
+# Usage: scripts/setup_peer_envs.sh (`make peers`)   Env: PEERS_ROOT (default .peers; tests read DRAFTLINE_PEERS_ROOT),
+#        DRAFTLINE_PYTHON (default .venv/bin/python)
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"

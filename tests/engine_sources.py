@@ -13,6 +13,8 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 WHEEL_DIR = REPO / ".whl"
+# vLLM's CPU build (`make setup-vllm`).
+VLLM_PYTHON = os.environ.get("DRAFTLINE_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
 # The peer tools' overlays (scripts/setup_peer_envs.sh, `make peers`): run by this interpreter with PYTHONPATH=ROOT/NAME.
 PEERS_ROOT = Path(os.environ.get("DRAFTLINE_PEERS_ROOT", str(REPO / ".peers")))
 

@@ -1,6 +1,7 @@
 """Load draftline exports with a peer tool's own code, for tests/integration/test_peer_loaders.py.
 
-Run by draftline's interpreter with the tool's overlay first on PYTHONPATH (engine_sources.peer_env):
+Run by draftline's interpreter with the tool's overlay first on PYTHONPATH (engine_sources.peer_env), or by
+.venv-vllm's interpreter for vLLM:
 `python peer_loader_runner.py TOOL JOBS`, JOBS a JSON list of {hf_dir, speculators_dir, target_dir, inputs, output}.
 inputs (torch.save): aux [1, T, n_aux*H] (the fc input), input_ids [1, T], embedding [V, H] (the target's, in
 target_dir/model.safetensors, which the drafter shares), positions [1, T]. output (torch.save): the tool's view of the export: its weights under its own
@@ -13,6 +14,8 @@ names, its draft logits [1, T, Vd] for those inputs, the aux layer ids it resolv
   `AutoDraftModel.from_config` and filled by `warm_start_draft_model` (its warm-start path); logits through the
   EAGLE-3 trainer's step (project_hidden_states, backbone with its sdpa cache, compute_logits); the capture layers
   from `resolve_eagle_capture_layers` (which it hands to SGLang's set_eagle3_layers_to_capture).
+- TOOL vllm (0.32.0): both exports' config.json as vLLM's `get_config` reads them (the speculators one through its
+  speculators config adapter), the fields its EAGLE-3 draft model reads, with its defaults.
 """
 
 from __future__ import annotations
@@ -101,7 +104,25 @@ def _specforge(job: dict, inputs: dict) -> dict:
     return {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "logits": logits, "aux_ids": layers}
 
 
-TOOLS = {"speculators": _speculators, "specforge": _specforge}
+# What vLLM's EAGLE-3 draft model (model_executor/models/llama_eagle3.py) reads from its config, with its defaults.
+_VLLM_FIELDS = {"architectures": None, "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None,
+                "head_dim": None, "intermediate_size": None, "rms_norm_eps": None, "max_position_embeddings": None,
+                "vocab_size": None, "draft_vocab_size": None, "target_hidden_size": None, "rope_parameters": None,
+                "eagle_aux_hidden_state_layer_ids": None, "norm_before_residual": False, "norm_before_fc": False,
+                "fc_norm": False, "norm_output": False}  # fmt: skip
+
+
+def _vllm(job: dict, inputs: dict) -> dict:
+    from vllm.transformers_utils.config import get_config
+
+    views = {}
+    for export in ("hf_dir", "speculators_dir"):
+        config = get_config(job[export], trust_remote_code=False)
+        views[export] = {name: getattr(config, name, default) for name, default in _VLLM_FIELDS.items()}
+    return views
+
+
+TOOLS = {"speculators": _speculators, "specforge": _specforge, "vllm": _vllm}
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ different fields (drafter/model.py `_yarn_peer_fields`).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -26,10 +25,9 @@ from draftline.drafter.export import SGLANG_VERSIONS_CHECKED, config_from_hf, hf
 from draftline.drafter.model import DrafterConfig, apply_rope, yarn_magnitude
 from draftline.drafter.speculators_export import speculators_config
 from draftline.target.families import build_model_config
-from engine_sources import peer_env, unpacked_sglang_sources
+from engine_sources import VLLM_PYTHON, peer_env, unpacked_sglang_sources
 
 SGLANG_VERSIONS = SGLANG_VERSIONS_CHECKED
-VLLM_PYTHON = os.environ.get("DRAFTLINE_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
 SPECIAL = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 

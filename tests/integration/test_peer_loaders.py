@@ -27,7 +27,7 @@ from draftline.drafter.speculators_export import export_speculators
 from draftline.target.aux_layers import written_aux_ids
 from draftline.target.families import build_model_config
 from drafter_helpers import random_drafter
-from engine_sources import peer_env
+from engine_sources import VLLM_PYTHON, peer_env
 
 TWINS = ("llama3.1-8b-4xgpu", "qwen3-8b", "kimi-k2.5")
 # Layer-output ids of an 8-layer twin, not the engines' default [1, 3, 4]; the first is not 1, where SGLang's
@@ -83,8 +83,9 @@ def _run_peer(tool: str, twin_exports, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp(f"{tool}-run")
     jobs = {name: {**job, "output": str(root / f"{name}.pt")} for name, (_, job, _) in twin_exports.items()}
     (root / "jobs.json").write_text(json.dumps(list(jobs.values())))
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "peer_loader_runner.py"), tool, str(root / "jobs.json")],
-                          capture_output=True, text=True, timeout=600, env=peer_env(tool))  # fmt: skip
+    python, env = (VLLM_PYTHON, None) if tool == "vllm" else (sys.executable, peer_env(tool))
+    done = subprocess.run([python, str(REPO / "tests" / "peer_loader_runner.py"), tool, str(root / "jobs.json")],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert done.returncode == 0, f"{tool}:\n{done.stderr[-4000:]}"
     return {name: torch.load(job["output"], weights_only=False) for name, job in jobs.items()}
 
@@ -97,6 +98,11 @@ def speculators_views(twin_exports, tmp_path_factory):
 @pytest.fixture(scope="module")
 def specforge_views(twin_exports, tmp_path_factory):
     return _run_peer("specforge", twin_exports, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def vllm_views(twin_exports, tmp_path_factory):
+    return _run_peer("vllm", twin_exports, tmp_path_factory)
 
 
 def _assert_same_drafter(ours_weights: dict, theirs_weights: dict, ours_logits, theirs_logits, tool: str) -> None:
@@ -143,3 +149,15 @@ def test_specforge_warm_starts_from_the_hf_export(name, twin_exports, specforge_
     # SpecForge hands eagle_config's ids to SGLang (0.5.14, whose rules equal 0.5.23's): SGLang's ids, not vLLM's.
     sglang_ids = written_aux_ids(drafter.config.target_family, "sglang", SGLANG_EXPORT_VERSION, AUX_LAYER_IDS)
     assert view["aux_ids"] == sglang_ids
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_vllm_reads_both_exports_as_the_same_drafter(name, twin_exports, vllm_views):
+    drafter, _, _ = twin_exports[name]
+    hf, speculators = vllm_views[name]["hf_dir"], vllm_views[name]["speculators_dir"]
+    assert speculators["architectures"] == ["Eagle3LlamaForCausalLM"]
+    # vLLM defaults an absent norm_before_residual to true in the speculators format only: the export writes false.
+    assert speculators["norm_before_residual"] is False
+    vllm_ids = written_aux_ids(drafter.config.target_family, "vllm", VLLM_VERSIONS_CHECKED[-1], AUX_LAYER_IDS)
+    assert hf["eagle_aux_hidden_state_layer_ids"] == speculators["eagle_aux_hidden_state_layer_ids"] == vllm_ids
+    assert {k: v for k, v in hf.items() if k != "architectures"} == {k: v for k, v in speculators.items() if k != "architectures"}

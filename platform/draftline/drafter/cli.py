@@ -94,6 +94,7 @@ def _verifier_config(args: argparse.Namespace) -> dict:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} is missing: --verifier-config (default --verifier) must name the target's config.json or its directory"
+            f"--verifier-config (default --verifier) {path}: no such config.json; name the target's config.json or its "
+            "directory (for a hub id in --verifier, pass a local copy of its config.json)"
         )
     return read_json(path)

@@ -35,6 +35,9 @@ SGLANG_VERSIONS_CHECKED = ("0.5.6", "0.5.12", "0.5.23")
 # The SGLang version whose aux id rule the export follows; versions reading ids the same way are listed as supported.
 SGLANG_EXPORT_VERSION = "0.5.23"
 VLLM_VERSIONS_CHECKED = ("0.32.0",)
+# SpecForge warm-starts from the hf export and hands eagle_config's ids to the SGLang it pins (0.2.0: sglang==0.5.14).
+SPECFORGE_VERSION_CHECKED = "0.2.0"
+SPECFORGE_SGLANG_VERSION = "0.5.14"
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "draftline.json"
@@ -117,6 +120,13 @@ def sglang_versions_supported(config: DrafterConfig) -> list[str]:
     ]
 
 
+def specforge_supported(config: DrafterConfig) -> bool:
+    """SpecForge builds fc for 3 aux states, and must read the SGLang ids as the export version does."""
+    family, ids = config.target_family, config.aux_layer_ids
+    written = written_aux_ids(family, "sglang", SGLANG_EXPORT_VERSION, ids)
+    return config.num_aux == 3 and written_aux_ids(family, "sglang", SPECFORGE_SGLANG_VERSION, ids) == written
+
+
 def export_tensors(model: Eagle3Drafter, dtype: Optional[str]) -> tuple[dict[str, torch.Tensor], str]:
     """The drafter's tensors under SGLang's checkpoint names, float ones cast to `dtype` (default: the model's own)."""
     if dtype is None:
@@ -169,6 +179,7 @@ def export_drafter(
         "sglang_versions_checked": list(SGLANG_VERSIONS_CHECKED),
         "sglang_versions_supported": sglang_versions_supported(cfg),
         "vllm_versions_checked": list(VLLM_VERSIONS_CHECKED),
+        "specforge_versions_supported": [SPECFORGE_VERSION_CHECKED] if specforge_supported(cfg) else [],
     }
     return write_export(out_dir, tensors, hf_config(cfg, dtype), export_meta)
 

@@ -56,7 +56,7 @@ def _speculators(job: dict, inputs: dict) -> dict:
     converted = {}
     with tempfile.TemporaryDirectory() as tmp:
         ours = json.loads((Path(job["speculators_dir"]) / "config.json").read_text())
-        for name, ids in (("with_ids", ours["eagle_aux_hidden_state_layer_ids"]), ("without_ids", None)):
+        for name, ids in (("with_ids", ours.get("eagle_aux_hidden_state_layer_ids")), ("without_ids", None)):
             out_dir = Path(tmp) / name
             Eagle3Converter().convert(job["hf_dir"], out_dir, base_model=job["target_dir"], eagle_aux_hidden_state_layer_ids=ids)
             converted[name] = _plain(Eagle3SpeculatorConfig.from_pretrained(out_dir).to_dict())

@@ -110,7 +110,7 @@ def _assert_same_drafter(ours_weights: dict, theirs_weights: dict, ours_logits, 
     assert not missing, f"{tool} has no {missing}"
     for name, tensor in ours_weights.items():
         assert torch.equal(theirs_weights[name], tensor), f"{tool}: {name} differs"
-    torch.testing.assert_close(theirs_logits, ours_logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"{tool}: {m}")
+    torch.testing.assert_close(theirs_logits, ours_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{tool}: {m}")
     assert torch.equal(theirs_logits.argmax(-1), ours_logits.argmax(-1)), tool
 
 

@@ -13,6 +13,9 @@ Checked by reading sglang/srt/models/llama_eagle3.py and llama.py of SGLang 0.5.
 - 0.5.6 builds fc as 3 * target_hidden_size wide regardless of the config; 0.5.12+ sizes it from the number of
   aux ids. A drafter with n_aux != 3 therefore loads only on 0.5.12+.
 - `tie_word_embeddings` must be false and `draft_vocab_size` set, or SGLang uses/loads a target-vocab lm_head.
+- SpecForge 0.2.0 warm-starts from the same directory (it reads SGLang's ids); `rope_scaling` carries the fields
+  every peer needs to compute the drafter's rotary (drafter/model.py `exported_rope_scaling`). speculators' own
+  format is drafter/speculators_export.py.
 """
 
 from __future__ import annotations

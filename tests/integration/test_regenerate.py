@@ -93,7 +93,7 @@ def test_turn_by_turn_on_regenerated_history(tiny_target_dir, one_torch_thread):
     """Each reply is the target's own greedy continuation of the history as regenerated so far."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftline.engines.reference import ReferenceEngine
+    from draftline.engines.reference.engine import ReferenceEngine
     from draftline.regenerate.run import regenerate_conversation, turn_settings
 
     cfg = make_test_config(extra=["regenerate.max_new_tokens_per_turn=24"])

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from draftline.cli import add_config_args, config_from_args
 from draftline.config import ConfigError
-from draftline.engines.sglang.args import build_launch_argv
+from draftline.engines.sglang.launch import build_launch_argv
 from draftline.engines.sglang.preflight import PreflightError, format_findings, has_errors, preflight, preflight_report
 
 

@@ -46,7 +46,8 @@ def bare_objective_in_ray(cfg, hidden_dir: Path, dataset_dir: Path, target_dir: 
         from draftline.data.prepare import load_vocab
         from draftline.drafter.model import DrafterConfig
         from draftline.extract.shards import HiddenStateShards
-        from draftline.train.data import collate, load_target_head, sample_indices_for_step
+        from draftline.train.data import collate, load_target_head
+        from draftline.train.order import sample_indices_for_step
         from draftline.train.loop import TTTObjective, build_drafter, objective_inputs
 
         task_cfg = DraftlineConfig.model_validate(config_json)

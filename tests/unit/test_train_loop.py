@@ -15,19 +15,19 @@ import torch
 from draftline.config import load_config
 from draftline.drafter.model import DrafterConfig
 from draftline.drafter.ttt import est_accept_len, target_signals, ttt_loss
+from draftline.faults import Fault
 from draftline.train.data import TargetHead, collate
 from draftline.train.loop import (
     StepMetrics,
     TTTObjective,
     build_drafter,
     deepspeed_config,
-    is_checkpoint_step,
-    is_validation_step,
+    fire_fault,
     lr_multiplier,
-    maybe_kill_for_test,
     objective_inputs,
     save_and_report,
 )
+from draftline.train.order import is_checkpoint_step, is_validation_step
 from draftline.train.run import flatten
 from draftline.utils import StorageFullError
 
@@ -122,14 +122,14 @@ def test_deepspeed_config_follows_train_section():
     assert gpu["bf16"] == {"enabled": True} and gpu["zero_optimization"] == {"stage": 2}
 
 
-def test_kill_hook_fires_once_on_last_rank_only(tmp_path, monkeypatch):
+def test_the_train_step_fault_fires_once_on_the_last_rank_only(tmp_path, monkeypatch):
     events = []
-    monkeypatch.setattr("draftline.train.loop.os.kill", lambda pid, sig: events.append("kill"))
+    monkeypatch.setattr("draftline.faults.os.kill", lambda pid, sig: events.append("kill"))
 
     def kill_hook(fault, step, rank):
-        maybe_kill_for_test(fault, step, rank, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
+        fire_fault(fault, step, rank, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
 
-    fault = {"kill_at_step": 3, "marker": str(tmp_path / "marker")}
+    fault = Fault("train.step", 3, str(tmp_path / "marker"))
     kill_hook(fault, step=3, rank=0)
     kill_hook(fault, step=2, rank=1)
     assert not events
@@ -140,15 +140,15 @@ def test_kill_hook_fires_once_on_last_rank_only(tmp_path, monkeypatch):
     assert events == ["wait", "kill"]
 
 
-def test_kill_hook_can_hold_for_a_node_kill_instead(tmp_path, monkeypatch):
-    """DRAFTLINE_TEST_FAULT_ACTION=hold (tests/e2e/test_multinode.py): the rank waits, after the checkpoints are
-    committed, for the test to kill its whole node; it does not kill itself."""
+def test_the_train_step_fault_can_hold_for_a_node_kill_instead(tmp_path, monkeypatch):
+    """Action "hold" (tests/e2e/test_multinode.py): the rank waits, after the checkpoints are committed, for the
+    test to kill its whole node; it does not kill itself."""
     events = []
-    monkeypatch.setattr("draftline.train.loop.os.kill", lambda pid, sig: events.append("kill"))
-    monkeypatch.setattr("draftline.train.loop.hold_until_killed", lambda marker, what: events.append(("hold", what)))
-    fault = {"kill_at_step": 3, "marker": str(tmp_path / "marker"), "action": "hold"}
-    maybe_kill_for_test(fault, 3, 1, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
-    assert events[0] == "wait" and events[1][0] == "hold" and "at step 3" in events[1][1]
+    monkeypatch.setattr("draftline.faults.os.kill", lambda pid, sig: events.append("kill"))
+    monkeypatch.setattr("draftline.faults.hold_until_killed", lambda marker, what: events.append(("hold", what)))
+    fault = Fault("train.step", 3, str(tmp_path / "marker"), action="hold")
+    fire_fault(fault, 3, 1, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
+    assert events[0] == "wait" and events[1][0] == "hold" and "train.step 3" in events[1][1]
 
 
 def test_flatten_config_for_mlflow_params():

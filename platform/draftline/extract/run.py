@@ -30,6 +30,7 @@ from draftline.extract.shards import (
     stored_bytes_per_token,
     write_manifest,
 )
+from draftline import faults
 from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
 from draftline.target.stages import remove_stage_groups
@@ -37,17 +38,12 @@ from draftline.utils import (
     StorageFullError,
     StorageFullSink,
     actor_on_driver_node,
-    fault_action_from_env,
     is_uri,
     read_json,
     stable_hash,
 )
 
 DEFAULT_SPLITS = ("train", "val")
-# Test hook: make a worker die like a SIGKILLed process (or hold, see utils.FAULT_ACTION_ENV) after N shards, once per
-# marker file (tests/e2e).
-FAULT_AFTER_SHARDS_ENV = "DRAFTLINE_EXTRACT_FAULT_AFTER_SHARDS"
-FAULT_MARKER_ENV = "DRAFTLINE_EXTRACT_FAULT_MARKER"
 
 
 def _log(msg: str) -> None:
@@ -123,7 +119,7 @@ def extraction_hash(cfg: DraftlineConfig, dataset_hash: str, target: TargetInfo,
     )[:16]
 
 
-def _check_dataset_matches_target(dataset_dir: Path, target: TargetInfo) -> dict:
+def check_dataset_matches_target(dataset_dir: Path, target: TargetInfo) -> dict:
     from draftline.data.prepare import tokenizer_fingerprint
 
     manifest_path = dataset_dir / "manifest.json"
@@ -136,16 +132,6 @@ def _check_dataset_matches_target(dataset_dir: Path, target: TargetInfo) -> dict
             "run `draftline prepare` with this config and extract from its output"
         )
     return dataset_manifest
-
-
-def _fault_injection_from_env() -> dict | None:
-    after = os.environ.get(FAULT_AFTER_SHARDS_ENV)
-    if not after:
-        return None
-    marker = os.environ.get(FAULT_MARKER_ENV)
-    if not marker:
-        raise RuntimeError(f"{FAULT_AFTER_SHARDS_ENV} is set but {FAULT_MARKER_ENV} is not; set both or neither")
-    return {"after_shards": int(after), "marker": marker, "action": fault_action_from_env()}
 
 
 def _records_if_all_present(storage: Storage, total_shards: int) -> list[ShardRecord] | None:
@@ -277,7 +263,7 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
             "config": cfg.model_dump(mode="json"),
             "plan": plan,
             "splits": splits,
-            "fault_injection": _fault_injection_from_env(),
+            "fault": faults.planned("extract.shards"),
             "storage_full_sink": storage_full_sink,
         },
         scaling_config=ScalingConfig(
@@ -514,7 +500,7 @@ def extract_with_stats(
     splits = DEFAULT_SPLITS if split in (None, "all") else (split,)
     target = target_info(cfg)
     dataset_dir = Path(dataset_dir) if dataset_dir is not None else prepare(cfg, target.target_dir)
-    dataset_manifest = _check_dataset_matches_target(dataset_dir, target)
+    dataset_manifest = check_dataset_matches_target(dataset_dir, target)
     aux_layer_ids = aux_layer_ids_for(cfg, target)
     dataset_hash = dataset_manifest.get("dataset_hash", dataset_dir.name)
     root = hidden_root(cfg).child(extraction_hash(cfg, dataset_hash, target, aux_layer_ids))

@@ -3,7 +3,7 @@
 Every attempt starts in `train_loop_per_worker`. With a Ray Train checkpoint present (a restart after a failure, or a
 rerun of the same training) the worker loads DeepSpeed's state (weights, optimizer, scheduler), the step counter,
 the best validation score and its RNG states from it, and continues: the sample order is a function of the step
-(see draftline.train.data), so nothing else needs restoring.
+(draftline.train.order), so nothing else needs restoring.
 
 A checkpoint is reported at every `checkpoint_every` steps, at the last step, and whenever a validation beats the
 best so far; each checkpoint carries fresh validation metrics of the weights it holds, so Ray's
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -28,19 +26,20 @@ import torch
 from torch import nn
 
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+from draftline.extract.online import stream_dataset_name
 from draftline.drafter.ttt import est_accept_len, ttt_loss
 from draftline.train.data import Batch, ShardSamples, TargetHead, collate
 from draftline.train.deepspeed_ops import ensure_shm_comm_op
-from draftline.utils import StorageFullError, hold_until_killed, raise_if_storage_full
+from draftline.train.order import is_checkpoint_step, is_validation_step
+from draftline.train.stream import StreamReader
+from draftline.faults import Fault
+from draftline.utils import StorageFullError, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
 TRAIN_STATE_FILE = "train_state.json"
 DRAFTER_SUBDIR = "drafter"
 RNG_SUBDIR = "rng"
 SCORE_METRIC = "val_est_accept_len"
-# Test hook (tests/e2e/test_train_fault.py): the last rank SIGKILLs itself at this step, once per marker file.
-KILL_AT_STEP_ENV = "DRAFTLINE_TEST_KILL_AT_STEP"
-KILL_MARKER_ENV = "DRAFTLINE_TEST_KILL_MARKER"
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -92,15 +91,6 @@ def deepspeed_config(train_cfg: Any) -> dict:
         "bf16": {"enabled": train_cfg.dtype == "bfloat16"},
         "steps_per_print": 1 << 30,
     }
-
-
-def is_checkpoint_step(step: int, train_cfg: Any) -> bool:
-    """`step` counts finished optimizer steps (1-based)."""
-    return step % train_cfg.checkpoint_every == 0 or step == train_cfg.max_steps
-
-
-def is_validation_step(step: int, train_cfg: Any) -> bool:
-    return step % train_cfg.val_every == 0 or is_checkpoint_step(step, train_cfg)
 
 
 class StepMetrics:
@@ -279,24 +269,12 @@ def wait_for_committed_checkpoints() -> None:
     ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
 
 
-def maybe_kill_for_test(fault: dict | None, step: int, rank: int, world_size: int,
-                        wait_for_checkpoints=wait_for_committed_checkpoints) -> None:
-    """Test hook: the last rank dies like a SIGKILLed process at `kill_at_step` (or, with action "hold", waits to be
-    killed with its node), once per marker file, after the checkpoints reported before are committed (so the test
-    checks resume from a known checkpoint)."""
-    if not fault or step != fault["kill_at_step"] or rank != world_size - 1:
-        return
-    marker = Path(fault["marker"])
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(marker, "x") as handle:  # exclusive create: only the first attempt dies
-            handle.write(f"rank {rank} pid {os.getpid()} killed at step {step}\n")
-    except FileExistsError:
-        return
-    wait_for_checkpoints()
-    if fault.get("action") == "hold":
-        hold_until_killed(marker, f"rank {rank} pid {os.getpid()} holding at step {step}")
-    os.kill(os.getpid(), signal.SIGKILL)
+def fire_fault(fault: Fault | None, step: int, rank: int, world_size: int,
+               wait_for_checkpoints=wait_for_committed_checkpoints) -> None:
+    """The "train.step" fault (draftline.faults) on the last rank, after the checkpoints reported before are
+    committed, so a test checks resume from a known checkpoint."""
+    if fault is not None and rank == world_size - 1:
+        fault.fire(step, f"rank {rank}", before=wait_for_checkpoints)
 
 
 def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
@@ -311,14 +289,12 @@ def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: t
 
 def worker_samples(loop_config: dict, cfg, rank: int, world_size: int, resume_step: int):
     """Where this worker's samples come from: the shards (offline), or its stream of the target's states (online),
-    which starts after `resume_step` (draftline.extract.online)."""
+    which starts after `resume_step` (draftline.train.stream)."""
     if loop_config.get("online") is None:
         return ShardSamples(loop_config["train_location"], loop_config["val_location"], rank, world_size,
                             cfg.train.micro_batch_size, cfg.seed)
     import ray
     import ray.train
-
-    from draftline.extract.online import StreamReader, stream_dataset_name
 
     online = loop_config["online"]
     # Before the first read: the stream's first stage drops the rows of the steps already trained.
@@ -401,9 +377,9 @@ def _train(loop_config: dict) -> None:
         logger.log({"resumed_at_step": state["step"]}, step=state["step"])
 
     samples = worker_samples(loop_config, cfg, rank, world_size, resume_step=state["step"])
-    fault = loop_config.get("fault_injection")
+    fault = loop_config.get("fault")
     while state["step"] < train_cfg.max_steps:
-        maybe_kill_for_test(fault, state["step"] + 1, rank, world_size)
+        fire_fault(fault, state["step"] + 1, rank, world_size)
         started = time.perf_counter()
         batch = collate(samples.train_samples(state["step"])).to(device, dtype)
         loss, metrics = engine(*objective_inputs(batch, head, t2d_device, dtype))

@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
+from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, shown_config, write_resolved
+from draftline.train.order import rank_stream_rows
 from draftline.utils import (
     StorageFullError,
     StorageFullSink,
     actor_on_driver_node,
     atomic_write_json,
     environment_restored,
-    fault_action_from_env,
     raise_if_storage_full,
     read_json,
     stable_hash,
@@ -197,13 +198,13 @@ def online_inputs(cfg: DraftlineConfig, dataset_dir: str | os.PathLike, target_d
 
     from draftline.data.prepare import load_split
     from draftline.extract.online import TRAIN, VAL, streamed_bytes_per_token
-    from draftline.extract.run import _check_dataset_matches_target, aux_layer_ids_for, capture_plan, target_info
+    from draftline.extract.run import check_dataset_matches_target, aux_layer_ids_for, capture_plan, target_info
     from draftline.extract.worker import SplitTokens
 
     dataset_dir = Path(dataset_dir)
     target = target_info(cfg, Path(target_dir))
     hf_config = AutoConfig.from_pretrained(target.target_dir, trust_remote_code=cfg.target.trust_remote_code)
-    dataset_hash = _check_dataset_matches_target(dataset_dir, target)["dataset_hash"]
+    dataset_hash = check_dataset_matches_target(dataset_dir, target)["dataset_hash"]
     aux_layer_ids = aux_layer_ids_for(cfg, target)
     split_tokens = {TRAIN: SplitTokens.from_samples(load_split(dataset_dir, "train")),
                     VAL: SplitTokens.from_samples(load_split(dataset_dir, "val"))}
@@ -236,18 +237,6 @@ def training_hash(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
     for not_affecting in ("max_failures", "log_every", "storage_uri", "start_timeout_s", "collective_timeout_s"):
         train_section.pop(not_affecting)
     return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, inputs.hidden_key)[:16]
-
-
-def _fault_injection_from_env() -> dict | None:
-    from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
-
-    step = os.environ.get(KILL_AT_STEP_ENV)
-    if not step:
-        return None
-    marker = os.environ.get(KILL_MARKER_ENV)
-    if not marker:
-        raise RuntimeError(f"{KILL_AT_STEP_ENV} is set but {KILL_MARKER_ENV} is not; set both or neither")
-    return {"kill_at_step": int(step), "marker": marker, "action": fault_action_from_env()}
 
 
 def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash: str, inputs: TrainInputs) -> str:
@@ -386,12 +375,14 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
     if online is not None:
         from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for
 
-        streams = build_streams(cfg, online["plan"], online["split_tokens"], train_cfg.num_workers)
+        shard_sizes = shard_sizes_for(len(online["split_tokens"][TRAIN]), cfg.extract.samples_per_shard)
+        num_val_samples = len(online["split_tokens"][VAL])
+        rows_per_rank = [rank_stream_rows(rank, train_cfg.num_workers, train_cfg, shard_sizes, num_val_samples, cfg.seed)
+                         for rank in range(train_cfg.num_workers)]  # fmt: skip
+        streams = build_streams(cfg, online["plan"], online["split_tokens"], rows_per_rank)
         data_kwargs = {"datasets": streams.datasets, "dataset_config": streams.data_config}
         loop_config = {**loop_config, "online": {
-            "cursor": streams.cursor,
-            "shard_sizes": shard_sizes_for(len(online["split_tokens"][TRAIN]), cfg.extract.samples_per_shard),
-            "num_val_samples": len(online["split_tokens"][VAL]),
+            "cursor": streams.cursor, "shard_sizes": shard_sizes, "num_val_samples": num_val_samples,
         }}
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -489,7 +480,7 @@ def train(
         "drafter_config": drafter_config.to_dict(),
         "tracking_uri": cfg.mlflow_tracking_uri,
         "run_id": run_id,
-        "fault_injection": _fault_injection_from_env(),
+        "fault": faults.planned("train.step"),
     }
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
     _log(

@@ -69,7 +69,7 @@ def test_bad_input_is_counted_and_named(tmp_path):
 
 
 def test_split_reasoning():
-    from draftline.regenerate.run import split_reasoning
+    from draftline.target.reasoning import split_reasoning
 
     tags = ("<think>", "</think>")
     assert split_reasoning("<think> plan </think> answer", tags) == ("answer", "plan")
@@ -136,7 +136,8 @@ def source_file(tmp_path_factory, tiny_target_dir):
 
 def test_stage_shards_resume_and_provenance(ray_cluster, tmp_path, source_file, tiny_target_dir):
     from draftline.data.prepare import prepare
-    from draftline.regenerate.run import ProvenanceError, regenerate, stable_sample
+    from draftline.data.sources import ProvenanceError
+    from draftline.regenerate.run import regenerate, stable_sample
     from draftline.target.load import target_fingerprint
 
     cfg = _regen_config(tmp_path, source_file, ["regenerate.limit=13", "regenerate.conversations_per_shard=4",

@@ -35,7 +35,8 @@ def regenerate_cfg(tmp_path, regenerate_overrides):
 
 def regenerate_through(cfg, target_dir, base_url: str):
     """regenerate against the server at base_url (an OpenAI /v1 URL), never from a cached output."""
-    from draftline.regenerate.run import output_dir, regenerate
+    from draftline.data.sources import output_dir
+    from draftline.regenerate.run import regenerate
 
     regenerate_cfg = cfg.regenerate.model_copy(update={"openai_base_urls": [base_url]})
     served_cfg = cfg.model_copy(update={"regenerate": regenerate_cfg})
@@ -72,7 +73,8 @@ def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path
                                                           regenerate_cfg, tiny_target_dir):
     """engine.backend=vllm: the regenerate replica starts vLLM 0.32's CPU api_server itself (one start-up,
     --enforce-eager) and sends its turns there through the vLLM engine, many in flight."""
-    from draftline.regenerate.run import output_dir, regenerate
+    from draftline.data.sources import output_dir
+    from draftline.regenerate.run import regenerate
 
     vllm_cfg = mlflow_test_config(tmp_path, regenerate_overrides + VLLM_TEST_OVERRIDES)
     shutil.rmtree(output_dir(vllm_cfg, tiny_target_dir), ignore_errors=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from draftline.data.prepare import load_split
+
 
 @dataclass
 class BenchPrompt:
@@ -74,8 +76,6 @@ def load_bench_prompts(cfg, tokenizer, dataset_dir: Optional[Path] = None) -> li
         prompts = load_prompt_file(Path(cfg.bench.prompts).expanduser(), tokenizer, limit)
         source = cfg.bench.prompts
     else:
-        from draftline.data.prepare import load_split
-
         samples = load_split(dataset_dir, "bench")
         prompts = [BenchPrompt(s["id"], prompt_from_sample(s)) for s in samples[:limit]]
         source = f"{dataset_dir}/bench.jsonl"

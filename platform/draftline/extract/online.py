@@ -40,9 +40,12 @@ import numpy as np
 import torch
 
 from draftline import faults
-from draftline.faults import Fault
+from draftline.config import DraftlineConfig
+from draftline.extract.run import aux_layer_ids_for, target_info
 from draftline.extract.shards import TORCH_DTYPES, num_shards, shard_sample_range, stored_bytes_per_token
-from draftline.utils import actor_on_driver_node
+from draftline.extract.worker import hidden_states_for_samples, load_capture_model
+from draftline.faults import Fault
+from draftline.utils import actor_on_driver_node, read_json
 
 TRAIN, VAL = 0, 1
 PAYLOAD = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
@@ -103,9 +106,6 @@ class TargetCapture:
     def __init__(self, config: dict, plan: dict, split_tokens_refs: dict, cursor, rank: int, fault: Fault | None = None):
         import ray
 
-        from draftline.config import DraftlineConfig
-        from draftline.extract.worker import load_capture_model
-
         cfg = DraftlineConfig.model_validate(config)
         self.plan = plan
         self.device = torch.device("cuda" if cfg.extract.use_gpu and cfg.extract.pipeline is None else "cpu")
@@ -118,8 +118,6 @@ class TargetCapture:
 
     def __call__(self, batch: dict) -> dict:
         import ray
-
-        from draftline.extract.worker import hidden_states_for_samples
 
         # Rows of steps a resumed worker already trained on are dropped before the forward.
         keep = batch["step"] > ray.get(self.cursor.start.remote(self.rank))
@@ -199,9 +197,6 @@ def online_extract_summary(cfg, target_dir, dataset_dir) -> dict:
     """What `draftline extract` and the extract stage of `draftline run` print in online mode, before training
     starts: nothing on disk, the bytes per token the stream will carry and their total per epoch of the prepared
     dataset (train + val tokens; each epoch runs the target again)."""
-    from draftline.extract.run import aux_layer_ids_for, target_info
-    from draftline.utils import read_json
-
     target = target_info(cfg, Path(target_dir))
     aux_layer_ids = aux_layer_ids_for(cfg, target)
     per_token = streamed_bytes_per_token(len(aux_layer_ids), target.hidden_size, cfg.extract.dtype)

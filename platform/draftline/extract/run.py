@@ -15,7 +15,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml
+from draftline.data.prepare import load_split, prepare, tokenizer_fingerprint
 from draftline.extract.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -30,18 +32,13 @@ from draftline.extract.shards import (
     stored_bytes_per_token,
     write_manifest,
 )
-from draftline import faults
 from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
+from draftline.raycluster import ensure_ray
+from draftline.target.aux_layers import family_of
+from draftline.target.load import read_target_config, resolve_aux_layer_ids, resolve_target_dir, target_fingerprint
 from draftline.target.stages import remove_stage_groups
-from draftline.utils import (
-    StorageFullError,
-    StorageFullSink,
-    actor_on_driver_node,
-    is_uri,
-    read_json,
-    stable_hash,
-)
+from draftline.utils import StorageFullError, StorageFullSink, actor_on_driver_node, is_uri, read_json, stable_hash
 
 DEFAULT_SPLITS = ("train", "val")
 
@@ -82,8 +79,6 @@ class SplitResult:
 
 
 def target_info(cfg: DraftlineConfig, target_dir: Path | None = None) -> TargetInfo:
-    from draftline.target.load import read_target_config, resolve_target_dir, target_fingerprint
-
     target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
     hf_config = read_target_config(target_dir)
     return TargetInfo(
@@ -97,9 +92,6 @@ def target_info(cfg: DraftlineConfig, target_dir: Path | None = None) -> TargetI
 
 
 def aux_layer_ids_for(cfg: DraftlineConfig, target: TargetInfo) -> list[int]:
-    from draftline.target.aux_layers import family_of
-    from draftline.target.load import read_target_config, resolve_aux_layer_ids
-
     return resolve_aux_layer_ids(cfg, target.num_layers, family_of(read_target_config(target.target_dir)))
 
 
@@ -120,8 +112,6 @@ def extraction_hash(cfg: DraftlineConfig, dataset_hash: str, target: TargetInfo,
 
 
 def check_dataset_matches_target(dataset_dir: Path, target: TargetInfo) -> dict:
-    from draftline.data.prepare import tokenizer_fingerprint
-
     manifest_path = dataset_dir / "manifest.json"
     if not manifest_path.exists():
         raise FileNotFoundError(f"{dataset_dir} has no manifest.json: run `draftline prepare` first (or pass its output dir)")
@@ -411,8 +401,6 @@ def extract_splits(
     aux_layer_ids: list[int],
     root: Storage,
 ) -> dict[str, SplitResult]:
-    from draftline.data.prepare import load_split
-
     results: dict[str, SplitResult] = {}
     jobs: list[SplitJob] = []
     for split in splits:
@@ -494,9 +482,6 @@ class ExtractResult:
 def extract_with_stats(
     cfg: DraftlineConfig, dataset_dir: str | os.PathLike | None = None, split: str | None = None
 ) -> ExtractResult:
-    from draftline.data.prepare import prepare
-    from draftline.raycluster import ensure_ray
-
     splits = DEFAULT_SPLITS if split in (None, "all") else (split,)
     target = target_info(cfg)
     dataset_dir = Path(dataset_dir) if dataset_dir is not None else prepare(cfg, target.target_dir)

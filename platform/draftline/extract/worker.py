@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from draftline.config import DraftlineConfig
 from draftline.extract.shards import (
     TORCH_DTYPES,
     EncodedShard,
@@ -27,6 +28,7 @@ from draftline.extract.shards import (
 from draftline.extract.storage import Storage
 from draftline.faults import Fault
 from draftline.target.capture import capture_aux_hidden
+from draftline.target.load import load_target
 from draftline.target.stages import PipelinedTarget
 from draftline.utils import StorageFullError
 
@@ -210,8 +212,6 @@ def load_capture_model(cfg, plan: dict, device: torch.device, who: str, slot: st
     whose stage actors hold it, its placement group named `<plan's stage_groups>-<slot>` (the driver removes the
     run's groups when it is done). Used by the offline extraction workers and the online target actors alike;
     either way the target files must have the fingerprint the driver saw."""
-    from draftline.target.load import load_target
-
     torch.set_num_threads(max(1, int(cfg.extract.cpus_per_worker)))
     if cfg.extract.pipeline is not None:
         # This process drives one pipeline; its stage actors hold the target (and the GPUs), each checks the files.
@@ -235,8 +235,6 @@ def extract_loop_per_worker(loop_config: dict) -> None:
     import ray
     import ray.train
     import ray.train.torch
-
-    from draftline.config import DraftlineConfig
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()

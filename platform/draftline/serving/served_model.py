@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from draftline.config import DraftlineConfig
 from draftline.engines.base import TARGET_ONLY
+from draftline.registry import CHAMPION, RegistryError, resolve_alias, verify_export
 
 logger = logging.getLogger("ray.serve")
 
@@ -23,8 +24,6 @@ class ServedModel(BaseModel):
 
 def resolve_served_model(cfg: DraftlineConfig) -> ServedModel:
     """The champion from the registry, or the target alone when there is none and serve.allow_target_only."""
-    from draftline.registry import CHAMPION, RegistryError, resolve_alias, verify_export
-
     try:
         resolved = resolve_alias(cfg, CHAMPION)
     except RegistryError as err:

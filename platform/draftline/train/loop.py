@@ -25,14 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from draftline.config import DraftlineConfig
+from draftline.drafter.export import save_drafter_checkpoint
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
-from draftline.extract.online import stream_dataset_name
 from draftline.drafter.ttt import est_accept_len, ttt_loss
-from draftline.train.data import Batch, ShardSamples, TargetHead, collate
+from draftline.extract.online import stream_dataset_name
+from draftline.faults import Fault
+from draftline.train.data import Batch, ShardSamples, TargetHead, collate, load_target_head
 from draftline.train.deepspeed_ops import ensure_shm_comm_op
 from draftline.train.order import is_checkpoint_step, is_validation_step
 from draftline.train.stream import StreamReader
-from draftline.faults import Fault
 from draftline.utils import StorageFullError, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
@@ -211,8 +213,6 @@ def _set_rng_state(state: dict) -> None:
 
 def save_drafter_weights(engine, directory: Path, rank: int, zero_stage: int) -> None:
     """Rank 0 writes the drafter alone (drafter_state.pt + drafter_config.json) for export_from_checkpoint."""
-    from draftline.drafter.export import save_drafter_checkpoint
-
     drafter = engine.module.drafter
     if zero_stage == 3:
         import deepspeed
@@ -330,9 +330,6 @@ def _train(loop_config: dict) -> None:
     import deepspeed
     import ray.train
     import ray.train.torch
-
-    from draftline.config import DraftlineConfig
-    from draftline.train.data import load_target_head
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()

@@ -21,6 +21,18 @@ import torch
 
 from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, shown_config, write_resolved
+from draftline.data.prepare import load_split, load_vocab
+from draftline.drafter.export import export_from_checkpoint
+from draftline.drafter.model import DrafterConfig
+from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for, streamed_bytes_per_token
+from draftline.extract.run import aux_layer_ids_for, capture_plan, check_dataset_matches_target, target_info
+from draftline.extract.shards import HiddenStateShards, ShardError
+from draftline.extract.worker import SplitTokens
+from draftline.raycluster import ensure_ray
+from draftline.target.load import target_fingerprint
+from draftline.target.stages import remove_stage_groups
+from draftline.tracking import DRAFTER_ARTIFACT_PATH, mlflow_client, register_export, setup_mlflow
+from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE, train_loop_per_worker
 from draftline.train.order import rank_stream_rows
 from draftline.utils import (
     StorageFullError,
@@ -125,8 +137,6 @@ class TrainInputs:
 
 
 def _open_split(hidden_dir: str, split: str):
-    from draftline.extract.shards import HiddenStateShards, ShardError
-
     location = f"{str(hidden_dir).rstrip('/')}/{split}"
     try:
         shards = HiddenStateShards(location)
@@ -140,8 +150,6 @@ def _open_split(hidden_dir: str, split: str):
 def check_inputs(cfg: DraftlineConfig, hidden_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
                  target_dir: str | os.PathLike) -> TrainInputs:
     from transformers import AutoConfig
-
-    from draftline.target.load import target_fingerprint
 
     target_dir, dataset_dir = Path(target_dir), Path(dataset_dir)
     fingerprint = target_fingerprint(target_dir)
@@ -182,8 +190,6 @@ def check_inputs(cfg: DraftlineConfig, hidden_dir: str | os.PathLike, dataset_di
 
 
 def _vocab(dataset_dir: Path, hf_config) -> tuple[torch.Tensor, torch.Tensor]:
-    from draftline.data.prepare import load_vocab
-
     d2t, t2d = load_vocab(dataset_dir)
     if t2d.shape[0] != int(hf_config.vocab_size):
         raise ConfigError(
@@ -195,11 +201,6 @@ def _vocab(dataset_dir: Path, hf_config) -> tuple[torch.Tensor, torch.Tensor]:
 def online_inputs(cfg: DraftlineConfig, dataset_dir: str | os.PathLike, target_dir: str | os.PathLike) -> TrainInputs:
     """extract.mode=online: no shards; the prepared splits' tokens and the capture plan go to the target actors."""
     from transformers import AutoConfig
-
-    from draftline.data.prepare import load_split
-    from draftline.extract.online import TRAIN, VAL, streamed_bytes_per_token
-    from draftline.extract.run import check_dataset_matches_target, aux_layer_ids_for, capture_plan, target_info
-    from draftline.extract.worker import SplitTokens
 
     dataset_dir = Path(dataset_dir)
     target = target_info(cfg, Path(target_dir))
@@ -245,8 +246,6 @@ def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash:
     from mlflow.entities import Param, RunStatus
     from mlflow.exceptions import MlflowException
 
-    from draftline.tracking import setup_mlflow
-
     experiment_id = setup_mlflow(cfg)
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
     record_path = out_dir / MLFLOW_RUN_FILE
@@ -291,8 +290,6 @@ def _cached_result(cfg: DraftlineConfig, out_dir: Path) -> TrainResult | None:
     """A finished training with this hash whose model version is in the configured registry (another tracking
     store, e.g. a fresh MLflow server, gets the version registered again from the kept checkpoints)."""
     from mlflow.exceptions import MlflowException
-
-    from draftline.tracking import mlflow_client
 
     if not (out_dir / RESULT_FILE).is_file():
         return None
@@ -364,8 +361,6 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from draftline.train.loop import SCORE_METRIC, train_loop_per_worker
-
     train_cfg = cfg.train
     resources_per_worker = {"CPU": train_cfg.cpus_per_worker}
     if train_cfg.use_gpu:
@@ -373,8 +368,6 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
     storage_full_sink = actor_on_driver_node(StorageFullSink)
     data_kwargs: dict = {}
     if online is not None:
-        from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for
-
         shard_sizes = shard_sizes_for(len(online["split_tokens"][TRAIN]), cfg.extract.samples_per_shard)
         num_val_samples = len(online["split_tokens"][VAL])
         rows_per_rank = [rank_stream_rows(rank, train_cfg.num_workers, train_cfg, shard_sizes, num_val_samples, cfg.seed)
@@ -414,8 +407,6 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
         raise
     finally:
         if online is not None:  # the target actors' stage groups (extract.pipeline): Ray keeps them until the job ends
-            from draftline.target.stages import remove_stage_groups
-
             remove_stage_groups(online["plan"]["stage_groups"])
         storage_full = ray.get(storage_full_sink.messages.remote())
         ray.kill(storage_full_sink)
@@ -443,12 +434,6 @@ def train(
 ) -> TrainResult:
     """Train, export the best checkpoint, log everything to MLflow and register a model version."""
     from mlflow import MlflowClient
-
-    from draftline.drafter.export import export_from_checkpoint
-    from draftline.drafter.model import DrafterConfig
-    from draftline.raycluster import ensure_ray
-    from draftline.tracking import DRAFTER_ARTIFACT_PATH, register_export
-    from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE
 
     if cfg.extract.mode == "online":
         inputs = online_inputs(cfg, dataset_dir, target_dir)

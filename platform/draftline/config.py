@@ -128,7 +128,9 @@ class SplitConfig(Strict):
 
 class DataConfig(Strict):
     conversations: Optional[str] = Field(None, description="jsonl/parquet path; empty = the embedded target's own file")
-    format: Literal["auto", "openai", "sharegpt", "ultrachat"] = "auto"
+    format: Literal["auto", "openai", "sharegpt", "ultrachat", "prompts"] = Field(
+        "auto", description="prompts: `prompt` (a string) or `turns` (user turns, MT-bench's layout), for regenerate",
+    )
     max_seq_len: int = Field(256, ge=8)
     on_bad_input: Literal["skip", "fail"] = "skip"
     over_length: Literal["truncate", "skip", "fail"] = Field(
@@ -136,35 +138,6 @@ class DataConfig(Strict):
     )
     split: SplitConfig = SplitConfig()
     draft_vocab_size: int = Field(1024, ge=2)
-
-
-class RegenerateConfig(Strict):
-    """Stage `regenerate`: every assistant turn of data.conversations rewritten by the target (SpecForge's
-    regenerate_train_data, speculators' regenerate_responses), so the drafter learns the target's own replies."""
-
-    enabled: bool = False
-    openai_base_urls: list[str] = Field(
-        default_factory=list,
-        description="running OpenAI-compatible servers of the target (vLLM api_server, SGLang launch_server), e.g. "
-        "http://10.0.0.5:8000/v1; replica i talks to url i mod len. Empty = each replica starts engine.backend itself",
-    )
-    openai_model: Optional[str] = Field(None, description="model name sent to the servers; None = the first of /v1/models")
-    api_key_env: str = Field("DRAFTLINE_REGENERATE_API_KEY", description="env var holding the servers' API key; unset = none")
-    num_replicas: int = Field(1, ge=1, description="Ray actors, each with its own engine (or server connection)")
-    cpus_per_replica: float = Field(1, gt=0)
-    gpus_per_replica: float = Field(0, ge=0)
-    requests_in_flight: int = Field(8, ge=1, description="conversations each replica generates concurrently")
-    conversations_per_shard: int = Field(32, ge=1, description="unit of work and of resume: a finished shard is never redone")
-    limit: Optional[int] = Field(None, ge=1, description="regenerate a stable sample of this many conversations (by id hash)")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy; else the temperature the target is served with")
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens_per_turn: int = Field(256, ge=1)
-    reasoning_tags: Optional[tuple[str, str]] = Field(
-        None, description="(start, end) of the target's thinking, moved into reasoning_content; "
-        "None = ('<think>', '</think>') when the tokenizer has both tokens, else no split",
-    )
-    max_restarts: int = Field(3, ge=0, description="times a dead replica actor is restarted; its shard is requeued")
-    request_timeout_s: float = Field(600, gt=0, description="one turn's HTTP request to an OpenAI-compatible server")
 
 
 class PipelineConfig(Strict):
@@ -330,6 +303,40 @@ class EngineConfig(Strict):
     vllm: VLLMConfig = VLLMConfig()
 
 
+class RegenerateConfig(Strict):
+    """Stage `regenerate`: every user turn of data.conversations answered by the target (an assistant turn after it
+    rewritten, a missing one written: prompt-only input is the usual case), as SpecForge's regenerate_train_data and
+    speculators' regenerate_responses do, so the drafter learns the target's own replies."""
+
+    enabled: bool = False
+    engine: Optional[EngineConfig] = Field(
+        None, description="the engine the replicas start (target only), e.g. regenerate.engine.backend=vllm while the "
+        "gate and serving use the reference engine; None = the serving engine (the `engine` section)",
+    )
+    openai_base_urls: list[str] = Field(
+        default_factory=list,
+        description="running OpenAI-compatible servers of the target (vLLM api_server, SGLang launch_server), e.g. "
+        "http://10.0.0.5:8000/v1; replica i talks to url i mod len. Empty = each replica starts its engine itself",
+    )
+    openai_model: Optional[str] = Field(None, description="model name sent to the servers; None = the first of /v1/models")
+    api_key_env: str = Field("DRAFTLINE_REGENERATE_API_KEY", description="env var holding the servers' API key; unset = none")
+    num_replicas: int = Field(1, ge=1, description="Ray actors, each with its own engine (or server connection)")
+    cpus_per_replica: float = Field(1, gt=0)
+    gpus_per_replica: float = Field(0, ge=0)
+    requests_in_flight: int = Field(8, ge=1, description="conversations each replica generates concurrently")
+    conversations_per_shard: int = Field(32, ge=1, description="unit of work and of resume: a finished shard is never redone")
+    limit: Optional[int] = Field(None, ge=1, description="regenerate a stable sample of this many conversations (by id hash)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; else the temperature the target is served with")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens_per_turn: int = Field(256, ge=1)
+    reasoning_tags: Optional[tuple[str, str]] = Field(
+        None, description="(start, end) of the target's thinking, moved into reasoning_content; "
+        "None = ('<think>', '</think>') when the tokenizer has both tokens, else no split",
+    )
+    max_restarts: int = Field(3, ge=0, description="times a dead replica actor is restarted; its shard is requeued")
+    request_timeout_s: float = Field(600, gt=0, description="one turn's HTTP request to an OpenAI-compatible server")
+
+
 class BenchConfig(Strict):
     prompts: Optional[str] = Field(None, description="jsonl of prompts/messages; default = the bench split")
     num_prompts: int = Field(24, ge=1)
@@ -445,6 +452,11 @@ class DraftlineConfig(Strict):
     # Derived locations (docs/pipeline.md, "Data dir").
     def data_path(self, *parts: str) -> Path:
         return Path(self.data_dir).expanduser().resolve().joinpath(*parts)
+
+    @property
+    def regenerate_engine(self) -> EngineConfig:
+        """The engine regenerate's replicas start: regenerate.engine, else the serving engine."""
+        return self.regenerate.engine or self.engine
 
     @property
     def registered_model_name(self) -> str:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from draftline.bench.cli import best_per_concurrency, run_bench
-from draftline.bench.prompts import load_prompt_file, prompt_from_sample
+from draftline.bench.prompts import prompt_from_sample
 from draftline.bench.runner import format_table, percentile
 from conftest import SMALL_BENCH, make_test_config
 
@@ -24,27 +24,45 @@ def test_percentile_matches_linear_interpolation():
     assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
 
 
-def test_prompt_file_formats(tmp_path, tiny_target_dir):
-    from transformers import AutoTokenizer
+def test_benchmark_prompts_one_per_user_turn_after_the_targets_own_answer(tmp_path, tiny_target_dir):
+    """Any jsonl of prompts or conversations through the one loader; turn 2 is asked after the target's own greedy
+    answer to turn 1 (the reference engine's, as HF generate gives it), a reply written in the file is never used."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftline.bench.prompts import load_bench_prompts, render
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     path = tmp_path / "prompts.jsonl"
+    first, second = "What does `def join(a, *p)` in posixpath do?", "What does `def split(p)` in posixpath do?"
     lines = [
-        {"id": "ids", "input_ids": [5, 6, 7]},
         {"id": "msgs", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "drop me"}]},
-        {"question_id": 81, "turns": ["hi", "second turn"]},
+        {"question_id": 81, "turns": [first, second]},
         {"prompt": "hi"},
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
-    prompts = load_prompt_file(path, tokenizer)
-    assert [p.id for p in prompts] == ["ids", "msgs", "81", "4"]
-    assert prompts[0].input_ids == [5, 6, 7]
-    assert prompts[1].input_ids == prompts[2].input_ids == prompts[3].input_ids  # one user turn "hi", reply dropped
-    assert "drop me" not in tokenizer.decode(prompts[1].input_ids)
+    cfg = make_test_config(tmp_path / "data", [f"bench.prompts={path}", "bench.max_new_tokens=12"])
+    prompts = load_bench_prompts(cfg, tokenizer, None, tiny_target_dir)
+    assert [p.id for p in prompts] == ["msgs", "81", "81/turn2", "prompts.jsonl:3"]
+    hi = render(tokenizer, [{"role": "user", "content": "hi"}])
+    assert prompts[0].input_ids == prompts[3].input_ids == hi
+    assert prompts[1].input_ids == render(tokenizer, [{"role": "user", "content": first}])
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompts[1].input_ids])
+        greedy = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+    answer = tokenizer.decode(greedy, skip_special_tokens=True).strip()
+    assert prompts[2].input_ids == render(tokenizer, [{"role": "user", "content": first},
+                                                      {"role": "assistant", "content": answer},
+                                                      {"role": "user", "content": second}])
+    assert [p.input_ids for p in load_bench_prompts(cfg, tokenizer, None, tiny_target_dir)] == [p.input_ids for p in prompts]
+    assert len(list(cfg.data_path("benchmarks").glob("prompts-answers-*.jsonl"))) == 1  # answered once, then cached
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl line 1: .*input_ids, messages, turns or prompt"):
-        load_prompt_file(bad, tokenizer)
+    bad_cfg = make_test_config(tmp_path / "data", [f"bench.prompts={bad}"])
+    with pytest.raises(ValueError, match="bad.jsonl.*1 unusable record.*bad.jsonl:1: bad_field"):
+        load_bench_prompts(bad_cfg, tokenizer, None, tiny_target_dir)
 
 
 def test_prompt_from_sample_stops_at_the_reply():

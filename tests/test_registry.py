@@ -198,3 +198,39 @@ def test_a_second_config_in_one_process_uses_its_own_store_not_the_first_ones(tm
     setup_mlflow(first)
     assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'users.db'}"
     assert second.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'users.db'}"
+
+
+def test_serving_uses_the_speculative_settings_the_bench_sweep_measured(store, tiny_target_dir):
+    """`draftline bench --sweep` stores the fastest (steps, topk, draft tokens) per concurrency on the version; the
+    champion is served with the entry for the highest benched concurrency a replica reaches (serve.max_ongoing_requests),
+    and a version without a sweep with engine.speculative."""
+    import asyncio
+
+    from draftline.bench.cli import store_bench_on_version
+    from draftline.serving.engine_server import start_engine
+    from draftline.serving.served_model import resolve_served_model
+
+    cfg, versions = store
+    promote(cfg, versions["passed_a"])
+    assert resolve_served_model(cfg).speculative is None
+    best = {"1": {"num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6, "output_tokens_per_s": 50.0, "speedup": 1.4,
+                  "accept_length": 2.5},
+            "4": {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3, "output_tokens_per_s": 90.0, "speedup": 1.1,
+                  "accept_length": 2.1}}
+    store_bench_on_version(cfg, versions["passed_a"], {"rows": [], "best": best})
+    served = resolve_served_model(cfg)
+    assert cfg.serve.max_ongoing_requests >= 4 and (served.speculative["num_steps"], served.speculative["num_draft_tokens"]) == (2, 3)
+    one_at_a_time = cfg.model_copy(deep=True)
+    one_at_a_time.serve.max_ongoing_requests = 2
+    served = resolve_served_model(one_at_a_time)
+    assert (served.speculative["num_steps"], served.speculative["eagle_topk"], served.speculative["num_draft_tokens"]) == (5, 1, 6)
+
+
+    async def started_spec():
+        engine = await start_engine(one_at_a_time, tiny_target_dir, served)
+        try:
+            return engine.spec.num_steps, engine.spec.num_draft_tokens
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(started_spec()) == (5, 6)

@@ -253,6 +253,10 @@ class TrainConfig(Strict):
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length T")
     ttt_decay: float = Field(0.8, gt=0, le=1, description="loss weight of step k is decay**k")
     loss: Literal["soft", "hard"] = "soft"
+    init_norm_from_target: bool = Field(
+        False, description="start the drafter's final norm as the target's (its lm_head starts as the target's rows "
+        "for the draft vocab either way)",
+    )
     activation_checkpointing: bool = Field(
         True,
         description="recompute each TTT step in backward instead of keeping its activations: peak memory stops "

@@ -82,6 +82,16 @@ TWIN_TEST_OVERRIDES = [
 ]
 
 
+TWINS = sorted(p.stem for p in (REPO / "configs" / "twins").glob("*.yaml"))
+# Production config of each twin -> the published model's class, rope type and head ratio (from its config.json).
+PRODUCTION = {
+    "llama3.1-8b-4xgpu": {"architecture": "LlamaForCausalLM", "rope_type": "llama3", "gqa": 32 // 8},
+    "qwen3-8b": {"architecture": "Qwen3ForCausalLM", "rope_type": "default", "gqa": 32 // 8},
+    "qwen3-30b-a3b": {"architecture": "Qwen3MoeForCausalLM", "rope_type": "default", "gqa": 32 // 4},
+    "kimi-k2.5": {"architecture": "DeepseekV3ForCausalLM", "rope_type": "yarn", "gqa": 1},
+}
+
+
 def twin_config_path(name: str) -> Path:
     return REPO / "configs" / "twins" / f"{name}.yaml"
 
@@ -122,6 +132,15 @@ def fitted_drafter_dir(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
     from draftline.bench.quick_drafter import quick_drafter
 
     return quick_drafter(tiny_cfg, tiny_target_dir, tiny_dataset_dir, steps=200)
+
+
+@pytest.fixture(scope="session")
+def short_offline_run(ray_cluster, tiny_cfg, tiny_target_dir, tiny_dataset_dir):
+    """(cfg, hidden_dir, TrainResult): a 6-step 2-worker Ray Train + DeepSpeed run on the test target's shards,
+    trained once per test data dir (train_helpers.shared_short_run)."""
+    from train_helpers import shared_short_run
+
+    return shared_short_run(tiny_cfg, tiny_target_dir, tiny_dataset_dir)
 
 
 @pytest.fixture(scope="session")

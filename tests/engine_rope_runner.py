@@ -1,4 +1,4 @@
-"""Rotate q and k with a serving engine's own rotary-embedding code, for tests/test_drafter_rope.py.
+"""Rotate q and k with a serving engine's own rotary-embedding code, for tests/integration/test_drafter_rope.py.
 
 Run by the engine's interpreter: `python engine_rope_runner.py ENGINE SOURCE JOBS`, JOBS a JSON list of
 {export_dir, inputs, output}.

@@ -48,6 +48,8 @@ EXPECTED_ERRORS = frozenset({
     "draftline.release.ReleaseError",
     "draftline.serving.control.ServingError",
     "draftline.target.aux_layers.AuxLayerIdError",
+    "draftline.train.run.WorkerStartTimeoutError",
+    "draftline.utils.LockTimeoutError",
     "draftline.utils.StorageFullError",
 })
 DEBUG_ENV = "DRAFTLINE_DEBUG"

@@ -265,6 +265,13 @@ class TrainConfig(Strict):
     val_every: int = Field(50, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     max_failures: int = Field(3, ge=0)
+    start_timeout_s: float = Field(
+        600, gt=0, description="how long one start of the worker group may wait for the cluster to fit it "
+        "(each of 1 + max_failures starts); past it training fails naming the resources it waited for",
+    )
+    collective_timeout_s: float = Field(
+        1800, gt=0, description="deadline of the workers' process-group init and of each collective (gloo/nccl)"
+    )
     num_attention_heads: Optional[int] = Field(None, description="drafter heads; default = target's")
     intermediate_size: Optional[int] = Field(None, description="drafter MLP width; default = target's")
     log_every: int = Field(10, ge=1, description="rank 0 sends buffered per-step metrics to MLflow every N steps")

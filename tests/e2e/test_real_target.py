@@ -14,8 +14,6 @@ import torch
 
 from conftest import VLLM_TEST_OVERRIDES, real_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
 MT_BENCH = ["bench.prompts=mt-bench", "bench.num_prompts=2"]
 
 

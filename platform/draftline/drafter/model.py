@@ -148,7 +148,7 @@ class DrafterConfig:
 
 
 # The keys of each rope_scaling the drafter writes into its export. Every engine reads these the same way (checked
-# numerically against SGLang 0.5.6/0.5.12/0.5.23 and vLLM 0.32 by tests/test_drafter_rope.py).
+# numerically against SGLang 0.5.6/0.5.12/0.5.23 and vLLM 0.32 by tests/integration/test_drafter_rope.py).
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),

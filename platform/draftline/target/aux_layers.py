@@ -111,7 +111,7 @@ for _family in ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25"):
 # interfaces.py's EagleModelMixin, deepseek_v2.py its own loop `if idx in self.aux_hidden_state_layers`).
 register_rule(AuxIdRule("vllm", DEFAULT_FAMILY, 1, _llama_default_inputs, "vllm model_executor/models/llama.py 0.32.0"))
 # Qwen3 runs Qwen2Model.forward (qwen2.py), the same loop, and SupportsEagle3's default layers (2, n//2, n-3);
-# tests/test_aux_layers.py runs both from the installed vLLM.
+# tests/integration/test_aux_layers.py runs both from the installed vLLM.
 register_rule(AuxIdRule("vllm", "qwen3", 1, _llama_default_inputs, "vllm model_executor/models/qwen2.py (Qwen3Model) 0.32.0"))
 # The reference engine captures exactly what extraction captures (one shared definition in target/capture.py).
 register_rule(AuxIdRule("reference", DEFAULT_FAMILY, 0, _llama_default_inputs, "draftline target/capture.py"))

@@ -30,6 +30,7 @@ from torch import nn
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import est_accept_len, ttt_loss
 from draftline.train.data import Batch, ShardSamples, TargetHead, collate
+from draftline.train.deepspeed_ops import ensure_shm_comm_op
 from draftline.utils import StorageFullError, hold_until_killed, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
@@ -397,6 +398,7 @@ def _train(loop_config: dict) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, train_cfg.warmup_steps, train_cfg.max_steps)
     )
+    ensure_shm_comm_op()
     engine, _, _, _ = deepspeed.initialize(
         model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(train_cfg)
     )

@@ -16,8 +16,10 @@ PYTEST_PARALLEL := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS)
 
 # SGLang's own argument code (CPU, no GPU packages), for check-sglang-args and the SGLang tests.
 SGLANG_ROOT ?= .sglang
+# speculators' and SpecForge's own code (overlays run by .venv's interpreter), for the tests that load exports with it.
+PEERS_ROOT ?= .peers
 
-.PHONY: setup setup-vllm sglang demo serve test test-unit test-integration test-e2e bench clean
+.PHONY: setup setup-vllm sglang peers demo serve test test-unit test-integration test-e2e bench clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +46,11 @@ $(SGLANG_ROOT)/.installed: $(VENV)/.installed scripts/setup_sglang_venv.sh scrip
 	SGLANG_ROOT=$(SGLANG_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_sglang_venv.sh
 	touch $@
 
+peers: $(PEERS_ROOT)/.installed
+
+$(PEERS_ROOT)/.installed: $(VENV)/.installed scripts/setup_peer_envs.sh
+	PEERS_ROOT=$(PEERS_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_peer_envs.sh
+
 demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
 
@@ -52,19 +59,20 @@ serve: setup
 	$(VENV)/bin/draftline serve --config configs/tiny-cpu.yaml
 
 # Tiers by directory (docs/testing.md): unit (no Ray, no servers: the edit loop), integration (a Ray cluster, Serve,
-# MLflow, vLLM and SGLang code), e2e (whole pipelines, faults, multi-node). `make test` runs all three.
+# MLflow, vLLM, SGLang, speculators and SpecForge code), e2e (whole pipelines, faults, multi-node). `make test` runs
+# all three.
 PYTEST := $(PY) -m pytest -q -rs $(PYTEST_PARALLEL)
 
-test: setup setup-vllm sglang
+test: setup setup-vllm sglang peers
 	$(PYTEST) --durations=15 $(PYTEST_ARGS) tests/e2e tests/integration tests/unit
 
 test-unit: setup
 	$(PYTEST) $(PYTEST_ARGS) tests/unit
 
-test-integration: setup setup-vllm sglang
+test-integration: setup setup-vllm sglang peers
 	$(PYTEST) $(PYTEST_ARGS) tests/integration
 
-test-e2e: setup setup-vllm sglang
+test-e2e: setup setup-vllm sglang peers
 	$(PYTEST) $(PYTEST_ARGS) tests/e2e
 
 bench: setup

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import pytest
 
-from draftline.drafter.export import SGLANG_VERSIONS_CHECKED
+from draftline.drafter.export import SGLANG_EXPORT_VERSION, SGLANG_VERSIONS_CHECKED, SPECFORGE_SGLANG_VERSION
 from draftline.target.aux_layers import (
     AuxIdRule,
     AuxLayerIdError,
@@ -117,6 +117,20 @@ SGLANG_FAMILY_FILES = [
 def test_sglang_family_capture_is_what_the_rule_says(version, model_file, class_name, family, layers):
     """SGLang's own set_eagle3_layers_to_capture of each family's model file, run on a stand-in model: what it captures
     for the ids our rule writes is what the drafter was trained on (DeepSeek in 0.5.23 shifts only a list starting at 1)."""
+    _check_sglang_capture(version, model_file, class_name, family, layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_file, class_name, family, layers", [("llama.py", "LlamaForCausalLM", "llama", _Layers),
+                                                                    *SGLANG_FAMILY_FILES], ids=lambda v: str(v))  # fmt: skip
+def test_specforge_sglang_capture_is_what_the_rule_says(model_file, class_name, family, layers):
+    """SpecForge hands eagle_config's ids to the SGLang it pins (tests/integration/test_peer_loaders.py): that release's
+    own capture code reads the ids an export writes (for SGLANG_EXPORT_VERSION) as the layers the drafter trained on."""
+    _check_sglang_capture(SPECFORGE_SGLANG_VERSION, model_file, class_name, family, layers)
+    assert rule_for(family, "sglang", SPECFORGE_SGLANG_VERSION) is rule_for(family, "sglang", SGLANG_EXPORT_VERSION)
+
+
+def _check_sglang_capture(version, model_file, class_name, family, layers):
     source = read_wheel_file(sglang_wheel(version), f"sglang/srt/models/{model_file}")
     set_layers = method_from_source(source, class_name, "set_eagle3_layers_to_capture", {"Optional": Optional, "List": List})
     rule = rule_for(family, "sglang", version)

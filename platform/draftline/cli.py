@@ -36,6 +36,7 @@ COMMAND_MODULES = {
 EXPECTED_ERRORS = frozenset({
     "draftline.config.ConfigError",
     "draftline.data.conversations.DataError",
+    "draftline.data.conversations.NoConversationsError",
     "draftline.data.masks.TemplateError",
     "draftline.data.sources.ProvenanceError",
     "draftline.data.vocab.VocabError",

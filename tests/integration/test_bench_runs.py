@@ -15,6 +15,47 @@ BENCH = SMALL_BENCH + ["bench.concurrency=[1,2]"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def test_benchmark_prompts_one_per_user_turn_after_the_targets_own_answer(tmp_path, tiny_target_dir):
+    """Any jsonl of prompts or conversations through the one loader; turn 2 is asked after the target's own greedy
+    answer to turn 1 (the reference engine's, as HF generate gives it), a reply written in the file is never used."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftline.bench.prompts import load_bench_prompts, render
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    path = tmp_path / "prompts.jsonl"
+    first, second = "What does `def join(a, *p)` in posixpath do?", "What does `def split(p)` in posixpath do?"
+    lines = [
+        {"id": "msgs", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "drop me"}]},
+        {"question_id": 81, "turns": [first, second]},
+        {"prompt": "hi"},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    cfg = make_test_config(tmp_path / "data", [f"bench.prompts={path}", "bench.max_new_tokens=12"])
+    prompts = load_bench_prompts(cfg, tokenizer, None, tiny_target_dir)
+    assert [p.id for p in prompts] == ["msgs", "81", "81/turn2", "prompts.jsonl:3"]
+    hi = render(tokenizer, [{"role": "user", "content": "hi"}])
+    assert prompts[0].input_ids == prompts[3].input_ids == hi
+    assert prompts[1].input_ids == render(tokenizer, [{"role": "user", "content": first}])
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompts[1].input_ids])
+        greedy = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+    answer = tokenizer.decode(greedy, skip_special_tokens=True).strip()
+    assert prompts[2].input_ids == render(tokenizer, [{"role": "user", "content": first},
+                                                      {"role": "assistant", "content": answer},
+                                                      {"role": "user", "content": second}])
+    assert [p.input_ids for p in load_bench_prompts(cfg, tokenizer, None, tiny_target_dir)] == [p.input_ids for p in prompts]
+    assert len(list(cfg.data_path("benchmarks").glob("prompts-answers-*.jsonl"))) == 1  # answered once, then cached
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    bad_cfg = make_test_config(tmp_path / "data", [f"bench.prompts={bad}"])
+    with pytest.raises(ValueError, match="bad.jsonl.*1 unusable record.*bad.jsonl:1: bad_field"):
+        load_bench_prompts(bad_cfg, tokenizer, None, tiny_target_dir)
+
+
 def test_bench_run_reports_speedup_accept_length_and_losslessness(tiny_target_dir, fitted_drafter_dir):
     cfg = make_test_config(extra=BENCH + ["bench.rounds=2"])
     report = run_bench(cfg, [("fitted", fitted_drafter_dir, None)], log=lambda _: None)

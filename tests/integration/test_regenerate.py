@@ -118,6 +118,26 @@ def test_turn_by_turn_on_regenerated_history(tiny_target_dir, one_torch_thread):
     assert set(record["regenerated"]["finish_reasons"]) <= {"stop", "length"}
 
 
+def test_prompt_only_conversation_is_answered_like_a_full_one(tiny_target_dir, one_torch_thread):
+    """The same user turns without assistant turns: the target writes a reply after each, the ones it gives when it
+    rewrites the full conversation."""
+    from transformers import AutoTokenizer
+
+    from draftline.engines.reference import ReferenceEngine
+    from draftline.regenerate.run import regenerate_conversation, turn_settings
+
+    cfg = make_test_config(extra=["regenerate.max_new_tokens_per_turn=12"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    engine = ReferenceEngine(cfg, tiny_target_dir)
+    engine.load()
+    settings = turn_settings(cfg, tokenizer)
+    prompts_only = [m for m in MULTI_TURN if m["role"] != "assistant"]
+    full, answered = (asyncio.run(regenerate_conversation(engine, tokenizer, {"id": "c", "messages": messages}, settings))
+                      for messages in (MULTI_TURN, prompts_only))
+    assert [m["role"] for m in answered["messages"]] == [m["role"] for m in MULTI_TURN]
+    assert answered["messages"] == full["messages"]
+
+
 def _regen_config(tmp_path: Path, source: Path, extra: list[str]):
     return make_test_config(extra=[
         f"data.conversations={source}", "regenerate.enabled=true", "regenerate.max_new_tokens_per_turn=16",

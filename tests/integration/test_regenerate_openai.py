@@ -71,12 +71,20 @@ def test_regenerate_through_draftline_serve_matches_reference(ray_cluster, regen
 
 def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path, regenerate_overrides,
                                                           regenerate_cfg, tiny_target_dir):
-    """engine.backend=vllm: the regenerate replica starts vLLM 0.32's CPU api_server itself (one start-up,
-    --enforce-eager) and sends its turns there through the vLLM engine, many in flight."""
+    """regenerate.engine.backend=vllm while the serving engine stays the reference one: the regenerate replica
+    starts vLLM 0.32's CPU api_server itself (one start-up, --enforce-eager) and sends its turns there through the
+    vLLM engine, many in flight. Its input is the user turns alone (prompt-only, regenerate's usual input)."""
     from draftline.data.sources import output_dir
     from draftline.regenerate.run import regenerate
 
-    vllm_cfg = mlflow_test_config(tmp_path, regenerate_overrides + VLLM_TEST_OVERRIDES)
+    prompts = tmp_path / "prompts.jsonl"
+    source = next(o.split("=", 1)[1] for o in regenerate_overrides if o.startswith("data.conversations="))
+    prompts.write_text("".join(
+        json.dumps({"id": r["id"], "turns": [m["content"] for m in r["messages"] if m["role"] == "user"]}) + "\n"
+        for r in map(json.loads, open(source))))
+    own_engine = [o.replace("engine.", "regenerate.engine.", 1) for o in VLLM_TEST_OVERRIDES]
+    vllm_cfg = mlflow_test_config(tmp_path, regenerate_overrides + own_engine + [f"data.conversations={prompts}"])
+    assert vllm_cfg.engine.backend == "reference"
     shutil.rmtree(output_dir(vllm_cfg, tiny_target_dir), ignore_errors=True)
     served = regenerate(vllm_cfg, tiny_target_dir)
     reference = regenerate(regenerate_cfg, tiny_target_dir)

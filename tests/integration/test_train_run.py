@@ -10,14 +10,13 @@ import torch
 from draftline.drafter.export import load_drafter, read_export_meta
 from draftline.drafter.model import Eagle3Drafter
 from draftline.extract.shards import HiddenStateShards
+from draftline.tracking import mlflow_client
 from draftline.train.run import train
 from tests.train_helpers import SHORT_RUN_STEPS as MAX_STEPS
 
 
 def test_short_two_worker_run_exports_logs_and_registers(short_offline_run, tiny_target_dir, tiny_dataset_dir):
     """The shared short run (conftest.short_offline_run), whichever test trained it first."""
-    from mlflow import MlflowClient
-
     cfg, hidden_dir, result = short_offline_run
 
     manifest = HiddenStateShards(hidden_dir / "train").manifest
@@ -28,7 +27,9 @@ def test_short_two_worker_run_exports_logs_and_registers(short_offline_run, tiny
     assert meta["dataset_hash"] == manifest["dataset_hash"]
     assert meta["step"] == result.best_step
 
-    client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
+    # Tracking and registry of the run's own store: a bare MlflowClient(tracking_uri=...) reads the registry this
+    # process last pointed MLflow at, another test's store when another test trained the shared run.
+    client = mlflow_client(cfg)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == str(MAX_STEPS)

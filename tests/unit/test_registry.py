@@ -198,3 +198,4 @@ def test_a_second_config_in_one_process_uses_its_own_store_not_the_first_ones(tm
     setup_mlflow(first)
     assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'users.db'}"
     assert second.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'users.db'}"
+

@@ -16,7 +16,7 @@ from draftline.config import load_config
 from draftline.drafter.model import DrafterConfig
 from draftline.drafter.ttt import est_accept_len, target_signals, ttt_loss
 from draftline.faults import Fault
-from draftline.train.data import TargetHead, collate
+from draftline.train.data import TargetHead, collate, load_target_head
 from draftline.train.loop import (
     StepMetrics,
     TTTObjective,
@@ -60,6 +60,25 @@ def _samples(lengths=(7, 5)) -> list[dict]:
         }
         for n in lengths
     ]
+
+
+def test_the_drafter_norm_starts_as_the_targets_final_norm_when_asked():
+    norm = torch.rand(HIDDEN) + 0.5
+    head = TargetHead(torch.randn(TARGET_VOCAB, HIDDEN), torch.randn(TARGET_VOCAB, HIDDEN), norm)
+    d2t, t2d = _vocab()
+    loop_config = {"drafter_config": _drafter_config().to_dict()}
+    assert torch.equal(build_drafter(loop_config, head, d2t, t2d, init_norm_from_target=True).norm.weight, norm)
+    assert torch.equal(build_drafter(loop_config, head, d2t, t2d).norm.weight, torch.ones(HIDDEN))
+    with pytest.raises(ValueError, match="final norm weight is None.*init_norm_from_target=false"):
+        build_drafter(loop_config, TargetHead(head.embed_weight, head.lm_head_weight), d2t, t2d, init_norm_from_target=True)
+
+
+def test_target_head_reads_the_final_norm(tiny_target_dir):
+    from safetensors.torch import load_file
+
+    head = load_target_head(tiny_target_dir)
+    weights = load_file(next(tiny_target_dir.glob("*.safetensors")))
+    assert torch.equal(head.final_norm_weight, weights["model.norm.weight"])
 
 
 def test_objective_is_ttt_loss_on_frozen_target_signals():

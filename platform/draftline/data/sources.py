@@ -1,14 +1,15 @@
-"""Where the conversations prepare reads come from: the source (data.conversations, or the target's own), or the
-regenerate stage's output for this config, which lives at a path this module computes from the config and checks
-the provenance of. Below the regenerate stage, which writes there (regenerate/run.py)."""
+"""Where the conversations prepare reads come from: the source (data.conversations, data.prompt_source, or the
+target's own), or the regenerate stage's output for this config, which lives at a path this module computes from the
+config and checks the provenance of. Below the regenerate stage, which writes there (regenerate/run.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from draftline.config import DraftlineConfig
+from draftline.data.prompt_source import write_prompt_source
 from draftline.target.load import target_fingerprint
-from draftline.utils import read_json, sha256_file, stable_hash
+from draftline.utils import build_lock, read_json, sha256_file, stable_hash
 
 MANIFEST_KIND = "draftline-regenerated-conversations"
 
@@ -24,9 +25,20 @@ def conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
     return source_conversations_path(cfg, target_dir)
 
 
+def prompt_source_path(cfg: DraftlineConfig) -> Path:
+    """data.prompt_source's prompts, written once per setting under <data_dir>/prompts/."""
+    source = cfg.data.prompt_source
+    settings = source.model_dump(mode="json")
+    path = cfg.data_path("prompts", f"prompts-{stable_hash(settings)[:16]}.jsonl")
+    with build_lock(path):
+        return write_prompt_source(path, source.count, source.seed, source.second_turn_fraction)
+
+
 def source_conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
     if cfg.data.conversations:
         return Path(cfg.data.conversations).expanduser()
+    if cfg.data.prompt_source is not None:
+        return prompt_source_path(cfg)
     own = target_dir / "conversations.jsonl"
     if not own.exists():
         raise FileNotFoundError(
@@ -40,7 +52,7 @@ def engine_description(cfg: DraftlineConfig) -> dict:
     regen = cfg.regenerate
     if regen.openai_base_urls:
         return {"backend": "openai-server", "model": regen.openai_model, "base_urls": list(regen.openai_base_urls)}
-    return {"backend": cfg.engine.backend, "device": cfg.engine.device}
+    return {"backend": cfg.regenerate_engine.backend, "device": cfg.regenerate_engine.device}
 
 
 def sampling_settings(cfg: DraftlineConfig) -> dict:

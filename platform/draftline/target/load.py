@@ -66,7 +66,7 @@ class LoadedTarget:
 
 
 def resolve_target_dir(cfg: DraftlineConfig) -> Path:
-    if cfg.target.kind == "embedded":
+    if cfg.target.kind in ("embedded", "gguf"):
         return bootstrap_target(cfg)
     path = Path(cfg.target.path).expanduser()
     if not (path / "config.json").exists():

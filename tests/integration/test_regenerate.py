@@ -123,7 +123,7 @@ def test_prompt_only_conversation_is_answered_like_a_full_one(tiny_target_dir, o
     rewrites the full conversation."""
     from transformers import AutoTokenizer
 
-    from draftline.engines.reference import ReferenceEngine
+    from draftline.engines.reference.engine import ReferenceEngine
     from draftline.regenerate.run import regenerate_conversation, turn_settings
 
     cfg = make_test_config(extra=["regenerate.max_new_tokens_per_turn=12"])

@@ -75,7 +75,7 @@ def test_zero_usable_conversations_is_a_clear_error(tmp_path, fake_target_dir):
 
 
 def test_replicas_start_the_regenerate_engine_not_the_serving_one(tmp_path, fake_target_dir):
-    from draftline.engines.reference import ReferenceEngine
+    from draftline.engines.reference.engine import ReferenceEngine
     from draftline.engines.vllm.engine import VLLMEngine
     from draftline.data.sources import engine_description
     from draftline.regenerate.run import build_engine

@@ -32,6 +32,7 @@ from draftline.raycluster import ensure_ray
 from draftline.target.load import target_fingerprint
 from draftline.target.stages import remove_stage_groups
 from draftline.tracking import DRAFTER_ARTIFACT_PATH, mlflow_client, register_export, setup_mlflow
+from draftline.train.job import OnlineStream, TrainingJob
 from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE, train_loop_per_worker
 from draftline.train.order import rank_stream_rows
 from draftline.utils import (
@@ -354,9 +355,10 @@ def worker_start_timeout_message(cfg: DraftlineConfig, resources_per_worker: dic
     )
 
 
-def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online: dict | None = None):
+def _run_workers(job: TrainingJob, run_name: str, online: dict | None = None):
     """trainer.fit(); a full disk in any worker raises StorageFullError with that worker's one line. `online`
     (TrainInputs.online): each worker reads a stream of the target's states instead of shards."""
+    cfg = job.cfg
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -367,6 +369,7 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
         resources_per_worker["GPU"] = 1
     storage_full_sink = actor_on_driver_node(StorageFullSink)
     data_kwargs: dict = {}
+    stream = None
     if online is not None:
         shard_sizes = shard_sizes_for(len(online["split_tokens"][TRAIN]), cfg.extract.samples_per_shard)
         num_val_samples = len(online["split_tokens"][VAL])
@@ -374,13 +377,11 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
                          for rank in range(train_cfg.num_workers)]  # fmt: skip
         streams = build_streams(cfg, online["plan"], online["split_tokens"], rows_per_rank)
         data_kwargs = {"datasets": streams.datasets, "dataset_config": streams.data_config}
-        loop_config = {**loop_config, "online": {
-            "cursor": streams.cursor, "shard_sizes": shard_sizes, "num_val_samples": num_val_samples,
-        }}
+        stream = OnlineStream(streams.cursor, shard_sizes, num_val_samples)
+    job = job.with_run(f"{checkpoint_storage_path(cfg).rstrip('/')}/{run_name}", storage_full_sink, stream)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={**loop_config, "storage_full_sink": storage_full_sink,
-                           "checkpoint_location": f"{checkpoint_storage_path(cfg).rstrip('/')}/{run_name}"},
+        train_loop_config=job.to_loop_config(),
         **data_kwargs,
         torch_config=TorchConfig(backend=train_cfg.backend, timeout_s=int(train_cfg.collective_timeout_s)),
         scaling_config=ScalingConfig(
@@ -455,18 +456,11 @@ def train(
         intermediate_size=cfg.train.intermediate_size,
     )
     run_id = _start_or_resume_mlflow_run(cfg, out_dir, train_hash, inputs)
-    loop_config = {
-        "config": cfg.model_dump(mode="json"),
-        "train_location": inputs.train_location,
-        "val_location": inputs.val_location,
-        "target_dir": str(inputs.target_dir),
-        "d2t": inputs.d2t,
-        "t2d": inputs.t2d,
-        "drafter_config": drafter_config.to_dict(),
-        "tracking_uri": cfg.mlflow_tracking_uri,
-        "run_id": run_id,
-        "fault": faults.planned("train.step"),
-    }
+    job = TrainingJob(
+        cfg=cfg, target_dir=str(inputs.target_dir), d2t=inputs.d2t, t2d=inputs.t2d, drafter_config=drafter_config,
+        tracking_uri=cfg.mlflow_tracking_uri, run_id=run_id, train_location=inputs.train_location,
+        val_location=inputs.val_location, fault=faults.planned("train.step"),
+    )
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
     _log(
         f"{cfg.train.num_workers} worker(s) x {cfg.train.cpus_per_worker} CPU, gpu={cfg.train.use_gpu}, "
@@ -477,7 +471,7 @@ def train(
     ensure_ray(cfg)
     started = time.perf_counter()
     try:
-        ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}", online=inputs.online)
+        ray_result = _run_workers(job, run_name=f"train-{train_hash}", online=inputs.online)
     except (StorageFullError, WorkerStartTimeoutError):  # no retry or rerun fixes these: their line says what does
         with contextlib.suppress(Exception):  # the tracking store may be on the same full disk: the line matters more
             client.set_terminated(run_id, status="FAILED")

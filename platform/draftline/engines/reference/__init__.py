@@ -6,7 +6,7 @@ Split by concern the way vLLM splits its spec-decode code:
   kv_cache.py    the running rows' KV state: the target's batched HF cache with slot validity, the drafter's
                  preallocated cache, the target forward
   proposer.py    drafting: the drafter's extend over verified positions, chains and SGLang's top-k trees
-  tree.py        draft trees and their attention masks
+  drafts.py      draft chains (as tensors) and trees, with their attention masks
   acceptance.py  the target's distribution, greedy and rejection-sampling acceptance (chains vectorised)
   output.py      cutting at stop tokens and budgets, incremental detokenisation into chunks
   checks.py      what a request, a speculative config and a drafter must satisfy

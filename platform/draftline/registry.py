@@ -21,8 +21,9 @@ from typing import Any, Optional
 from urllib.parse import unquote, urlparse
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.drafter.export import META_FILE, WEIGHTS_FILE
 from draftline.tracking import BENCH_BEST_TAG, GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_TAG, mlflow_client
-from draftline.utils import stable_hash
+from draftline.utils import sha256_file, stable_hash
 
 CHAMPION = "champion"
 PREVIOUS = "previous"
@@ -175,9 +176,6 @@ def verify_export(resolved: ResolvedVersion) -> None:
     """Check a version's files where they are read: present, parseable, the weights complete and, where the export
     recorded it, their sha256. Raises RegistryError naming the file and the fix."""
     import json
-
-    from draftline.drafter.export import META_FILE, WEIGHTS_FILE
-    from draftline.utils import sha256_file
 
     where = f"model {resolved.name} version {resolved.version} ({resolved.export_dir})"
     fix = "register a fresh export of that run (`draftline export` then `draftline train` registers it) and gate it"

@@ -239,29 +239,3 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
-
-
-# Test hooks (tests/e2e): what a worker does when the fault a test set up fires. "exit" (the default): it dies like
-# a SIGKILLed process. "hold": it records its Ray node id in the marker file and waits to be killed with its whole
-# node (tests/e2e/test_multinode.py kills that node, or the node of another worker of the group).
-FAULT_ACTION_ENV = "DRAFTLINE_TEST_FAULT_ACTION"
-FAULT_ACTIONS = ("exit", "hold")
-
-
-def fault_action_from_env() -> str:
-    action = os.environ.get(FAULT_ACTION_ENV) or "exit"
-    if action not in FAULT_ACTIONS:
-        raise RuntimeError(f"{FAULT_ACTION_ENV}={action!r}: use one of {', '.join(FAULT_ACTIONS)}")
-    return action
-
-
-def hold_until_killed(marker: str | os.PathLike, what: str) -> None:
-    """Append `what` and this worker's Ray node id to `marker` (one line), then wait to be killed."""
-    import time
-
-    import ray
-
-    with open(marker, "a") as handle:
-        handle.write(f"{what} on node {ray.get_runtime_context().get_node_id()}\n")
-    while True:
-        time.sleep(3600)

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from draftline.extract.online import FAULT_AFTER_BATCHES_ENV, FAULT_MARKER_ENV
+from draftline import faults
 from draftline.extract.shards import stored_bytes_per_token
-from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
 from draftline.train.run import train
 from tests.train_helpers import SHORT_RUN_STEPS, short_run_config
 
@@ -71,8 +70,7 @@ def shard_files(root: Path) -> list[Path]:
 def test_online_run_with_a_killed_target_actor_has_the_offline_losses_and_writes_no_shards(
         offline_run, tiny_target_dir, tiny_dataset_dir, tmp_path, monkeypatch, capsys):
     marker = tmp_path / "target-actor-killed"
-    monkeypatch.setenv(FAULT_AFTER_BATCHES_ENV, str(ACTOR_DIES_AFTER_BATCHES))
-    monkeypatch.setenv(FAULT_MARKER_ENV, str(marker))
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("online.batches", ACTOR_DIES_AFTER_BATCHES, str(marker))))
     # No training restart allowed: a stream that failed on the dead actor would otherwise be rerun by Ray Train from
     # scratch (no checkpoint yet) and the losses would still match.
     cfg = short_run_config(tmp_path / "run", [*ONLINE, "train.max_failures=0"])
@@ -105,8 +103,7 @@ def test_a_killed_training_worker_resumes_the_stream_where_its_checkpoint_left_i
     from mlflow import MlflowClient
 
     marker = tmp_path / "worker-killed"
-    monkeypatch.setenv(KILL_AT_STEP_ENV, str(KILL_AT_STEP))
-    monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("train.step", KILL_AT_STEP, str(marker))))
     cfg = short_run_config(tmp_path / "run", [*ONLINE, "train.max_failures=2"])
     result = train(cfg, None, tiny_dataset_dir, tiny_target_dir)
 

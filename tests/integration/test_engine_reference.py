@@ -11,7 +11,8 @@ import asyncio
 import pytest
 import torch
 
-import draftline.engines.reference as reference
+from draftline.engines.reference import acceptance
+from draftline.engines.reference.kv_cache import DraftBatch, target_forward
 from draftline.data.prepare import load_split
 from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
@@ -68,7 +69,7 @@ def test_engine_aux_states_are_capture_aux_hidden(target_engine, prompts):
     chunks = []
     for start, stop in ((0, split), (split, len(ids))):
         positions = torch.arange(start, stop)[None]
-        _, aux = reference.target_forward(model, torch.tensor([ids[start:stop]]), positions, cache, aux_layer_ids)
+        _, aux = target_forward(model, torch.tensor([ids[start:stop]]), positions, cache, aux_layer_ids)
         chunks.append(aux[0])
     torch.testing.assert_close(torch.cat(chunks), expected[0], atol=1e-5, rtol=1e-5)
 
@@ -140,6 +141,29 @@ def exact_two_token_distribution(model, ids: list[int], temperature: float) -> t
     return (first[:, None] * second).flatten()
 
 
+def accept_every_draft(monkeypatch) -> None:
+    """A broken acceptance rule for chains and trees: every draft accepted, the bonus sampled from the target."""
+
+    def every_chain_draft(drafts, logits, sequences):
+        last = drafts.steps
+        bonus = [
+            torch.multinomial(acceptance.target_probs(logits[row, last], s.params.temperature, s.params.top_p), 1,
+                              generator=s.generator)[0]
+            for row, s in enumerate(sequences)
+        ]  # fmt: skip
+        return torch.full((len(sequences),), last), torch.stack(bonus)
+
+    def every_tree_draft(tree, logits, params, generator):
+        path, node = [], 0
+        while tree.children(node):
+            node = tree.children(node)[0]
+            path.append(node)
+        return path, acceptance.sample(acceptance.target_probs(logits[node], params.temperature, params.top_p), generator)
+
+    monkeypatch.setattr(acceptance, "accept_chains", every_chain_draft)
+    monkeypatch.setattr(acceptance, "accept_tree", every_tree_draft)
+
+
 def sampled_pairs(engine, ids: list[int], temperature: float, num_samples: int) -> torch.Tensor:
     vocab = engine.model.config.vocab_size
     counts = torch.zeros(vocab * vocab)
@@ -170,14 +194,7 @@ def test_sampling_output_distribution_equals_the_targets(
     if drafter_kind == "fitted":
         return
 
-    def accept_every_draft(tree, logits, params, generator):
-        path, node = [], 0
-        while tree.children(node):
-            node = tree.children(node)[0]
-            path.append(node)
-        return path, reference.sample(reference.target_probs(logits[node], params.temperature, 1.0), generator)
-
-    monkeypatch.setattr(reference, "_accept", accept_every_draft)
+    accept_every_draft(monkeypatch)
     broken_p_value = chi_square_p_value(sampled_pairs(engine, ids, temperature, 600), exact)
     assert broken_p_value < 1e-3, "the statistic failed to detect a broken acceptance rule"
 
@@ -194,7 +211,7 @@ def later_token_pit(engine, ids: list[int], temperature: float, top_p: float, nu
         with torch.no_grad():
             logits = engine.model(torch.tensor([ids + out])).logits[0]
         for k in positions:
-            q = reference.target_probs(logits[len(ids) + k - 1], temperature, top_p)
+            q = acceptance.target_probs(logits[len(ids) + k - 1], temperature, top_p)
             order = q.argsort(descending=True)
             cdf = q[order].cumsum(0)
             rank = int((order == out[k]).nonzero())
@@ -219,14 +236,7 @@ def test_sampling_later_tokens_follow_the_target(tiny_target_dir, random_drafter
     p_value = uniformity_p_value(later_token_pit(engine, prompts[1], 1.0, top_p, 300))
     assert p_value > 1e-3, f"later tokens do not follow the target distribution (top_p={top_p}, p={p_value:.2e})"
 
-    def accept_every_draft(tree, logits, params, generator):
-        path, node = [], 0
-        while tree.children(node):
-            node = tree.children(node)[0]
-            path.append(node)
-        return path, reference.sample(reference.target_probs(logits[node], params.temperature, params.top_p), generator)
-
-    monkeypatch.setattr(reference, "_accept", accept_every_draft)
+    accept_every_draft(monkeypatch)
     broken = uniformity_p_value(later_token_pit(engine, prompts[1], 1.0, top_p, 300))
     assert broken < 1e-3, "the statistic failed to detect a broken acceptance rule"
 
@@ -243,7 +253,7 @@ def test_continuous_batching_is_token_identical_for_every_request(
     assert len({len(ids) for ids, _ in jobs}) > 1, "ragged prompts: the padded prefill and drafter rows are exercised"
     expected = [target_engine.generate_ids(ids, params)[0] for ids, params in jobs]
     batch_sizes, prefill_sizes, drafter_rows = [], [], []
-    step_batch, prefill, draft_forward = engine._step_batch, engine._prefill, reference.DraftBatch.forward
+    step_batch, prefill, draft_forward = engine._step_batch, engine._prefill, DraftBatch.forward
 
     def recording_step(sequences, caches):
         batch_sizes.append(len(sequences))
@@ -259,7 +269,7 @@ def test_continuous_batching_is_token_identical_for_every_request(
 
     monkeypatch.setattr(engine, "_step_batch", recording_step)
     monkeypatch.setattr(engine, "_prefill", recording_prefill)
-    monkeypatch.setattr(reference.DraftBatch, "forward", recording_draft_forward)
+    monkeypatch.setattr(DraftBatch, "forward", recording_draft_forward)
 
     async def run_all():
         gate = asyncio.Semaphore(concurrency)

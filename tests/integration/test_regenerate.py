@@ -69,7 +69,7 @@ def test_bad_input_is_counted_and_named(tmp_path):
 
 
 def test_split_reasoning():
-    from draftline.regenerate.run import split_reasoning
+    from draftline.target.reasoning import split_reasoning
 
     tags = ("<think>", "</think>")
     assert split_reasoning("<think> plan </think> answer", tags) == ("answer", "plan")
@@ -93,7 +93,7 @@ def test_turn_by_turn_on_regenerated_history(tiny_target_dir, one_torch_thread):
     """Each reply is the target's own greedy continuation of the history as regenerated so far."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftline.engines.reference import ReferenceEngine
+    from draftline.engines.reference.engine import ReferenceEngine
     from draftline.regenerate.run import regenerate_conversation, turn_settings
 
     cfg = make_test_config(extra=["regenerate.max_new_tokens_per_turn=24"])
@@ -123,7 +123,7 @@ def test_prompt_only_conversation_is_answered_like_a_full_one(tiny_target_dir, o
     rewrites the full conversation."""
     from transformers import AutoTokenizer
 
-    from draftline.engines.reference import ReferenceEngine
+    from draftline.engines.reference.engine import ReferenceEngine
     from draftline.regenerate.run import regenerate_conversation, turn_settings
 
     cfg = make_test_config(extra=["regenerate.max_new_tokens_per_turn=12"])
@@ -156,7 +156,8 @@ def source_file(tmp_path_factory, tiny_target_dir):
 
 def test_stage_shards_resume_and_provenance(ray_cluster, tmp_path, source_file, tiny_target_dir):
     from draftline.data.prepare import prepare
-    from draftline.regenerate.run import ProvenanceError, regenerate, stable_sample
+    from draftline.data.sources import ProvenanceError
+    from draftline.regenerate.run import regenerate, stable_sample
     from draftline.target.load import target_fingerprint
 
     cfg = _regen_config(tmp_path, source_file, ["regenerate.limit=13", "regenerate.conversations_per_shard=4",

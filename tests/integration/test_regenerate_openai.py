@@ -35,7 +35,8 @@ def regenerate_cfg(tmp_path, regenerate_overrides):
 
 def regenerate_through(cfg, target_dir, base_url: str):
     """regenerate against the server at base_url (an OpenAI /v1 URL), never from a cached output."""
-    from draftline.regenerate.run import output_dir, regenerate
+    from draftline.data.sources import output_dir
+    from draftline.regenerate.run import regenerate
 
     regenerate_cfg = cfg.regenerate.model_copy(update={"openai_base_urls": [base_url]})
     served_cfg = cfg.model_copy(update={"regenerate": regenerate_cfg})
@@ -73,7 +74,8 @@ def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path
     """regenerate.engine.backend=vllm while the serving engine stays the reference one: the regenerate replica
     starts vLLM 0.32's CPU api_server itself (one start-up, --enforce-eager) and sends its turns there through the
     vLLM engine, many in flight. Its input is the user turns alone (prompt-only, regenerate's usual input)."""
-    from draftline.regenerate.run import output_dir, regenerate
+    from draftline.data.sources import output_dir
+    from draftline.regenerate.run import regenerate
 
     prompts = tmp_path / "prompts.jsonl"
     source = next(o.split("=", 1)[1] for o in regenerate_overrides if o.startswith("data.conversations="))

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftline.config import load_config
-from draftline.engines.sglang.args import build_launch_argv, flag_table_for
+from draftline.engines.sglang.args import flag_table_for
+from draftline.engines.sglang.launch import build_launch_argv
 from draftline.engines.sglang.preflight import preflight_report
 from draftline.engines.sglang.real import find_installation, run_sglang_checks, sglang_root
 

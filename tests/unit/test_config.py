@@ -175,3 +175,19 @@ def test_the_redaction_rule(uri, shown):
     from draftline.utils import redact_uri_credentials
 
     assert redact_uri_credentials(uri) == shown
+
+
+def test_config_names_the_families_and_chat_layouts_the_target_layer_holds():
+    """config.py names them without importing the target layer (layers go one way); the lists must agree."""
+    from typing import get_args
+
+    from draftline.config import ChatLayoutName, TargetFamily
+    from draftline.target.chat_layouts import layout_names
+    from draftline.target.families import FAMILIES
+
+    assert sorted(get_args(TargetFamily)) == sorted(FAMILIES)
+    assert sorted(get_args(ChatLayoutName)) == sorted(layout_names())
+    with pytest.raises(ConfigError, match="target.embedded.family: Input should be 'llama'"):
+        load_config("configs/tiny-cpu.yaml", ["target.embedded.family=gpt"])
+    with pytest.raises(ConfigError, match="target.embedded.chat_template: Input should be 'draftline'"):
+        load_config("configs/tiny-cpu.yaml", ["target.embedded.chat_template=chatml"])

@@ -7,19 +7,9 @@ import pytest
 import torch
 
 from draftline.config import ConfigError, load_config
-from draftline.extract.online import (
-    TRAIN,
-    VAL,
-    StreamOrderError,
-    StreamReader,
-    _object_column,
-    from_wire,
-    rank_stream_rows,
-    shard_sizes_for,
-    to_wire,
-)
-from draftline.train.data import sample_indices_for_step, val_indices_for_rank
-from draftline.train.loop import is_validation_step
+from draftline.extract.online import TRAIN, VAL, _object_column, from_wire, shard_sizes_for, to_wire
+from draftline.train.order import is_validation_step, rank_stream_rows, sample_indices_for_step, val_indices_for_rank
+from draftline.train.stream import StreamOrderError, StreamReader
 
 SEED, WORLD, BATCH = 3, 2, 4
 NUM_TRAIN, NUM_VAL = 37, 7

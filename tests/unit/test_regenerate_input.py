@@ -75,9 +75,10 @@ def test_zero_usable_conversations_is_a_clear_error(tmp_path, fake_target_dir):
 
 
 def test_replicas_start_the_regenerate_engine_not_the_serving_one(tmp_path, fake_target_dir):
-    from draftline.engines.reference import ReferenceEngine
+    from draftline.engines.reference.engine import ReferenceEngine
     from draftline.engines.vllm.engine import VLLMEngine
-    from draftline.regenerate.run import build_engine, engine_description
+    from draftline.data.sources import engine_description
+    from draftline.regenerate.run import build_engine
 
     cfg = make_test_config(tmp_path, ["regenerate.engine.backend=vllm", "regenerate.engine.vllm.enforce_eager=true",
                                       "regenerate.engine.vllm.cpu_threads=1", "engine.backend=reference"])

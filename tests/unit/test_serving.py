@@ -179,6 +179,16 @@ def _proxy_app(unanswered: int, bodies: list[bytes], read_disconnect: bool = Fal
     return app
 
 
+def test_the_callback_every_local_cluster_names_is_the_replay_middleware():
+    import importlib
+
+    from draftline.raycluster import SERVE_PROXY_CALLBACK
+    from draftline.serving.proxy_replay import middlewares
+
+    module, name = SERVE_PROXY_CALLBACK.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is middlewares
+
+
 def test_the_proxy_sends_an_unanswered_request_again_with_its_body():
     """serving/proxy_replay.py: the request runs again, with the whole body, until the proxy answers."""
     from draftline.serving.proxy_replay import ReplayUnansweredRequests

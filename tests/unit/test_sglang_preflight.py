@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from draftline.config import load_config
-from draftline.engines.sglang.args import build_launch_argv, flag_table_for, read_argv
+from draftline.engines.sglang.args import flag_table_for, read_argv
+from draftline.engines.sglang.launch import build_launch_argv
 from draftline.engines.sglang.preflight import PreflightError, has_errors, preflight, preflight_report
 from draftline.engines.sglang.rules import VERSION_TABLE, behaviour_for
 

@@ -8,15 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftline.train.data import (
-    Batch,
-    TargetHead,
-    collate,
-    epoch_order,
-    load_target_head,
-    sample_indices_for_step,
-    val_indices_for_rank,
-)
+from draftline.train.data import Batch, TargetHead, collate, load_target_head
+from draftline.train.order import epoch_order, sample_indices_for_step, val_indices_for_rank
 
 SHARD_SIZES = [5, 5, 3]  # 13 samples
 

@@ -15,19 +15,20 @@ import torch
 from draftline.config import load_config
 from draftline.drafter.model import DrafterConfig
 from draftline.drafter.ttt import est_accept_len, target_signals, ttt_loss
+from draftline.faults import Fault
 from draftline.train.data import TargetHead, collate, load_target_head
+from draftline.train.job import OnlineStream, TrainingJob
 from draftline.train.loop import (
     StepMetrics,
     TTTObjective,
     build_drafter,
     deepspeed_config,
-    is_checkpoint_step,
-    is_validation_step,
+    fire_fault,
     lr_multiplier,
-    maybe_kill_for_test,
     objective_inputs,
     save_and_report,
 )
+from draftline.train.order import is_checkpoint_step, is_validation_step
 from draftline.train.run import flatten
 from draftline.utils import StorageFullError
 
@@ -66,11 +67,29 @@ def test_the_drafter_norm_starts_as_the_targets_final_norm_when_asked():
     norm = torch.rand(HIDDEN) + 0.5
     head = TargetHead(torch.randn(TARGET_VOCAB, HIDDEN), torch.randn(TARGET_VOCAB, HIDDEN), norm)
     d2t, t2d = _vocab()
-    loop_config = {"drafter_config": _drafter_config().to_dict()}
-    assert torch.equal(build_drafter(loop_config, head, d2t, t2d, init_norm_from_target=True).norm.weight, norm)
-    assert torch.equal(build_drafter(loop_config, head, d2t, t2d).norm.weight, torch.ones(HIDDEN))
+    config = _drafter_config()
+    assert torch.equal(build_drafter(config, head, d2t, t2d, init_norm_from_target=True).norm.weight, norm)
+    assert torch.equal(build_drafter(config, head, d2t, t2d).norm.weight, torch.ones(HIDDEN))
     with pytest.raises(ValueError, match="final norm weight is None.*init_norm_from_target=false"):
-        build_drafter(loop_config, TargetHead(head.embed_weight, head.lm_head_weight), d2t, t2d, init_norm_from_target=True)
+        build_drafter(config, TargetHead(head.embed_weight, head.lm_head_weight), d2t, t2d, init_norm_from_target=True)
+
+
+def test_the_training_job_crosses_into_the_workers_typed_and_whole(tmp_path):
+    """train_loop_config is written by TrainingJob.to_loop_config and read by from_loop_config only; a pickled
+    round trip (what Ray does) keeps every field, and a dict of loose fields is refused naming the fix."""
+    import pickle
+
+    d2t, t2d = _vocab()
+    job = TrainingJob(cfg=load_config(None, ["train.max_steps=7"]), target_dir=str(tmp_path), d2t=d2t, t2d=t2d,
+                      drafter_config=_drafter_config(), tracking_uri="sqlite:///x.db", run_id="r1",
+                      train_location="/h/train", val_location="/h/val",
+                      fault=Fault("train.step", 3, str(tmp_path / "marker")))
+    job = job.with_run("/ck/train-x", storage_full_sink=None, online=OnlineStream(None, [8, 5], 3))
+    back = TrainingJob.from_loop_config(pickle.loads(pickle.dumps(job.to_loop_config())))
+    assert back.cfg.train.max_steps == 7 and back.drafter_config == job.drafter_config and torch.equal(back.t2d, t2d)
+    assert (back.checkpoint_location, back.online.shard_sizes, back.fault.count) == ("/ck/train-x", [8, 5], 3)
+    with pytest.raises(TypeError, match="TrainingJob.to_loop_config"):
+        TrainingJob.from_loop_config({"config": {}, "run_id": "r1"})
 
 
 def test_target_head_reads_the_final_norm(tiny_target_dir):
@@ -85,7 +104,7 @@ def test_objective_is_ttt_loss_on_frozen_target_signals():
     torch.manual_seed(0)
     head = TargetHead(torch.randn(TARGET_VOCAB, HIDDEN), torch.randn(TARGET_VOCAB, HIDDEN))
     d2t, t2d = _vocab()
-    drafter = build_drafter({"drafter_config": _drafter_config().to_dict()}, head, d2t, t2d)
+    drafter = build_drafter(_drafter_config(), head, d2t, t2d)
     assert torch.equal(drafter.lm_head.weight, head.lm_head_weight[t2d])
     objective = TTTObjective(drafter, steps=3, decay=0.8, loss="soft")
     batch = collate(_samples())
@@ -141,14 +160,14 @@ def test_deepspeed_config_follows_train_section():
     assert gpu["bf16"] == {"enabled": True} and gpu["zero_optimization"] == {"stage": 2}
 
 
-def test_kill_hook_fires_once_on_last_rank_only(tmp_path, monkeypatch):
+def test_the_train_step_fault_fires_once_on_the_last_rank_only(tmp_path, monkeypatch):
     events = []
-    monkeypatch.setattr("draftline.train.loop.os.kill", lambda pid, sig: events.append("kill"))
+    monkeypatch.setattr("draftline.faults.os.kill", lambda pid, sig: events.append("kill"))
 
     def kill_hook(fault, step, rank):
-        maybe_kill_for_test(fault, step, rank, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
+        fire_fault(fault, step, rank, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
 
-    fault = {"kill_at_step": 3, "marker": str(tmp_path / "marker")}
+    fault = Fault("train.step", 3, str(tmp_path / "marker"))
     kill_hook(fault, step=3, rank=0)
     kill_hook(fault, step=2, rank=1)
     assert not events
@@ -159,15 +178,15 @@ def test_kill_hook_fires_once_on_last_rank_only(tmp_path, monkeypatch):
     assert events == ["wait", "kill"]
 
 
-def test_kill_hook_can_hold_for_a_node_kill_instead(tmp_path, monkeypatch):
-    """DRAFTLINE_TEST_FAULT_ACTION=hold (tests/e2e/test_multinode.py): the rank waits, after the checkpoints are
-    committed, for the test to kill its whole node; it does not kill itself."""
+def test_the_train_step_fault_can_hold_for_a_node_kill_instead(tmp_path, monkeypatch):
+    """Action "hold" (tests/e2e/test_multinode.py): the rank waits, after the checkpoints are committed, for the
+    test to kill its whole node; it does not kill itself."""
     events = []
-    monkeypatch.setattr("draftline.train.loop.os.kill", lambda pid, sig: events.append("kill"))
-    monkeypatch.setattr("draftline.train.loop.hold_until_killed", lambda marker, what: events.append(("hold", what)))
-    fault = {"kill_at_step": 3, "marker": str(tmp_path / "marker"), "action": "hold"}
-    maybe_kill_for_test(fault, 3, 1, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
-    assert events[0] == "wait" and events[1][0] == "hold" and "at step 3" in events[1][1]
+    monkeypatch.setattr("draftline.faults.os.kill", lambda pid, sig: events.append("kill"))
+    monkeypatch.setattr("draftline.faults.hold_until_killed", lambda marker, what: events.append(("hold", what)))
+    fault = Fault("train.step", 3, str(tmp_path / "marker"), action="hold")
+    fire_fault(fault, 3, 1, world_size=2, wait_for_checkpoints=lambda: events.append("wait"))
+    assert events[0] == "wait" and events[1][0] == "hold" and "train.step 3" in events[1][1]
 
 
 def test_flatten_config_for_mlflow_params():
@@ -193,7 +212,7 @@ def test_activation_checkpointing_trains_the_same_under_deepspeed(tmp_path, monk
     try:
         for checkpointed in (False, True):
             torch.manual_seed(0)
-            drafter = build_drafter({"drafter_config": _drafter_config().to_dict()}, head, d2t, t2d)
+            drafter = build_drafter(_drafter_config(), head, d2t, t2d)
             objective = TTTObjective(drafter, steps=3, decay=0.8, loss="soft", checkpointed=checkpointed)
             optimizer = torch.optim.AdamW(objective.parameters(), lr=1e-2)
             engine, _, _, _ = deepspeed.initialize(

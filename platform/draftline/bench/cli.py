@@ -21,10 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftline.bench.prompts import BenchPrompt
+from draftline.bench.prompts import BenchPrompt, load_bench_prompts
 from draftline.bench.runner import BASELINE, EngineSpec, LoadRow, PairedRounds, format_table, machine_load
+from draftline.cli import add_config_args, config_from_args
 from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.data.prepare import prepare
+from draftline.engines import add_engine_arg, with_engine_arg
 from draftline.engines.base import SamplingParams
+from draftline.registry import RegistryError, get_version, latest_version
+from draftline.target.load import resolve_target_dir
+from draftline.tracking import BENCH_BEST_TAG, mlflow_client
 
 
 def speculative_grid(cfg: DraftlineConfig, sweep: bool) -> list[SpeculativeConfig]:
@@ -92,13 +98,8 @@ def plan_bench(
     `bench.prompts`, else the bench split of `dataset_dir`, else of the dataset `prepare` makes for cfg."""
     from transformers import AutoTokenizer
 
-    from draftline.bench.prompts import load_bench_prompts
-    from draftline.target.load import resolve_target_dir
-
     target_dir = resolve_target_dir(cfg)
     if not cfg.bench.prompts and dataset_dir is None:
-        from draftline.data.prepare import prepare
-
         dataset_dir = prepare(cfg, target_dir)
     prompts = load_bench_prompts(cfg, AutoTokenizer.from_pretrained(target_dir), dataset_dir, target_dir)
     engines = [EngineSpec(BASELINE)]
@@ -142,8 +143,6 @@ def store_bench_on_version(cfg: DraftlineConfig, version: str, report: dict) -> 
     """Log the report as an MLflow run linked to the version; a sweep's best config becomes a version tag."""
     import mlflow
 
-    from draftline.tracking import BENCH_BEST_TAG, mlflow_client
-
     client = mlflow_client(cfg)
     name = cfg.registered_model_name
     with mlflow.start_run(run_name=f"bench-{name}-v{version}") as run:
@@ -174,9 +173,6 @@ def concurrency_levels(value: str) -> list[int]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from draftline.cli import add_config_args
-    from draftline.engines import add_engine_arg
-
     parser = subparsers.add_parser("bench", help="benchmark a drafter against the target alone", description=__doc__)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--version", help="registered drafter version (default: the latest)")
@@ -212,11 +208,6 @@ def apply_bench_overrides(cfg: DraftlineConfig, args: argparse.Namespace) -> Dra
 
 
 def _bench_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-    from draftline.registry import RegistryError, get_version, latest_version
-
-    from draftline.engines import with_engine_arg
-
     cfg = apply_bench_overrides(with_engine_arg(config_from_args(args), args), args)
     version = None
     try:

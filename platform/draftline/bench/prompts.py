@@ -18,8 +18,9 @@ from typing import Optional
 
 from draftline.config import DraftlineConfig
 from draftline.data.benchmarks import Benchmark, load_benchmark
-from draftline.data.conversations import Conversation
 from draftline.data.contamination import user_turns
+from draftline.data.conversations import Conversation
+from draftline.data.prepare import load_split
 from draftline.engines import make_engine
 from draftline.regenerate.run import TurnSettings, regenerate_conversation, turn_settings
 from draftline.target.load import target_fingerprint
@@ -136,8 +137,6 @@ def load_bench_prompts(cfg: DraftlineConfig, tokenizer, dataset_dir: Optional[Pa
         prompts = conversation_prompts(cfg, benchmark, target_dir, tokenizer, limit)
         source = f"{cfg.bench.prompts} ({benchmark.path})"
     else:
-        from draftline.data.prepare import load_split
-
         samples = load_split(dataset_dir, "bench")
         prompts = [BenchPrompt(s["id"], prompt_from_sample(s)) for s in samples[:limit]]
         source = f"{dataset_dir}/bench.jsonl"

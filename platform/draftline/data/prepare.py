@@ -16,48 +16,24 @@ from draftline.data.benchmarks import Benchmark, load_benchmark
 from draftline.data.contamination import HeldOutIndex
 from draftline.data.conversations import BadInput, Conversation, DataError, drop_duplicate_ids, read_conversations
 from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
-from draftline.data.prompt_source import write_prompt_source
+from draftline.data.sources import check_regenerated_for_target, conversations_path
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
-from draftline.regenerate.run import check_regenerated_for_target
-from draftline.utils import atomic_write_json, build_lock, raise_if_storage_full, read_json, sha256_file, split_of, stable_hash
+from draftline.target.load import resolve_target_dir
+from draftline.utils import (
+    atomic_write_json,
+    build_lock,
+    raise_if_storage_full,
+    read_json,
+    sha256_file,
+    split_of,
+    stable_hash,
+)
 
 SPLITS = ("train", "val", "bench")
 
 
 def _log(msg: str) -> None:
     print(f"[prepare] {msg}", flush=True)
-
-
-def conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
-    """What prepare reads: the regenerated conversations with regenerate.enabled, else the source."""
-    if cfg.regenerate.enabled:
-        from draftline.regenerate.run import regenerated_conversations
-
-        return regenerated_conversations(cfg, target_dir)
-    return source_conversations_path(cfg, target_dir)
-
-
-def prompt_source_path(cfg: DraftlineConfig) -> Path:
-    """data.prompt_source's prompts, written once per setting under <data_dir>/prompts/."""
-    source = cfg.data.prompt_source
-    settings = source.model_dump(mode="json")
-    path = cfg.data_path("prompts", f"prompts-{stable_hash(settings)[:16]}.jsonl")
-    with build_lock(path):
-        return write_prompt_source(path, source.count, source.seed, source.second_turn_fraction)
-
-
-def source_conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
-    if cfg.data.conversations:
-        return Path(cfg.data.conversations).expanduser()
-    if cfg.data.prompt_source is not None:
-        return prompt_source_path(cfg)
-    own = target_dir / "conversations.jsonl"
-    if not own.exists():
-        raise FileNotFoundError(
-            f"data.conversations is empty and the target at {target_dir} has no conversations.jsonl; "
-            "set data.conversations to a jsonl/parquet file of OpenAI messages or ShareGPT conversations"
-        )
-    return own
 
 
 def tokenizer_fingerprint(target_dir: Path) -> str:
@@ -71,8 +47,6 @@ def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, held_o
 
 
 def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
-    from draftline.target.load import resolve_target_dir
-
     target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
     conv_path = conversations_path(cfg, target_dir)
     check_regenerated_for_target(conv_path, target_dir)

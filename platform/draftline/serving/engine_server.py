@@ -24,10 +24,12 @@ from typing import Any, AsyncIterator, Optional
 from ray import serve
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
 from draftline.serving.metrics import EngineMetrics
 from draftline.serving.openai_schema import ServedVersion
 from draftline.serving.served_model import ServedModel
+from draftline.target.load import resolve_target_dir
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,8 +38,6 @@ ENGINE_DEPLOYMENT = "DraftlineEngine"
 
 async def start_engine(cfg: DraftlineConfig, target_dir: Path, wanted: ServedModel) -> Any:
     """Construct, start and health-check the engine for `wanted` (the one place replicas build engines)."""
-    from draftline.engines import make_engine
-
     engine = make_engine(
         cfg,
         target_dir,
@@ -89,8 +89,6 @@ class EngineServer:
     """One engine (SGLang on GPU, the reference engine on CPU) per replica; the version comes from user_config."""
 
     def __init__(self, config: dict) -> None:
-        from draftline.target.load import resolve_target_dir
-
         self._cfg = DraftlineConfig.model_validate(config)
         self._target_dir = resolve_target_dir(self._cfg)
         self._live: Optional[_LiveEngine] = None

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from draftline.config import DraftlineConfig
 from draftline.engines.base import TARGET_ONLY
+from draftline.registry import CHAMPION, RegistryError, measured_speculative, resolve_alias, verify_export
 
 logger = logging.getLogger("ray.serve")
 
@@ -25,8 +26,6 @@ class ServedModel(BaseModel):
 
 def resolve_served_model(cfg: DraftlineConfig) -> ServedModel:
     """The champion from the registry, or the target alone when there is none and serve.allow_target_only."""
-    from draftline.registry import CHAMPION, RegistryError, resolve_alias, verify_export
-
     try:
         resolved = resolve_alias(cfg, CHAMPION)
     except RegistryError as err:
@@ -43,8 +42,6 @@ def resolve_served_model(cfg: DraftlineConfig) -> ServedModel:
 def served_version(cfg: DraftlineConfig, resolved) -> ServedModel:
     """A registry version as served: its files and the speculative settings its bench sweep measured fastest at the
     concurrency a replica serves (serve.max_ongoing_requests), if a sweep was stored on it."""
-    from draftline.registry import measured_speculative
-
     measured = measured_speculative(resolved, cfg.serve.max_ongoing_requests, cfg.engine.speculative)
     if measured is not None:
         logger.info("serving version %s with its measured best speculative settings %s/%s/%s", resolved.version,

@@ -25,6 +25,7 @@ from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem
 from draftline.target.chat_layouts import ChatLayout, chat_layout
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
 from draftline.target.families import FAMILIES, build_model_config, served_head_dims
+from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
 from draftline.target.gguf_import import import_gguf_target
 from draftline.target.target_dir import DONE_MARKER, publish_target_dir
 from draftline.utils import build_lock, read_json, split_of, stable_fraction, stable_hash
@@ -141,8 +142,6 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
 @torch.no_grad()
 def _generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32) -> list[dict]:
     """The target's greedy assistant message for each prompt; thinking (Qwen3's layout) goes to reasoning_content."""
-    from draftline.regenerate.run import DEFAULT_REASONING_TAGS, split_reasoning
-
     tags = DEFAULT_REASONING_TAGS if all(t in tokenizer.get_added_vocab() for t in DEFAULT_REASONING_TAGS) else None
     tokenizer.padding_side = "left"
     replies: list[dict] = []

@@ -13,18 +13,18 @@ from draftline.stagelog import command_log
 
 # Modules with a `register(subparsers)` function. Imported lazily per command so `--help` stays fast.
 COMMAND_MODULES = {
-    "bootstrap-target": "draftline.target.bootstrap",
-    "regenerate": "draftline.regenerate.run",
-    "prepare": "draftline.data.prepare",
+    "bootstrap-target": "draftline.target.cli",
+    "regenerate": "draftline.regenerate.cli",
+    "prepare": "draftline.data.cli",
     "extract": "draftline.extract.cli",
     "train": "draftline.train.cli",
     "export": "draftline.drafter.cli",
     "bench": "draftline.bench.cli",
-    "gate": "draftline.gate",
-    "promote": "draftline.release",
-    "rollback": "draftline.release",
+    "gate": "draftline.commands.gate",
+    "promote": "draftline.commands.release",
+    "rollback": "draftline.commands.release",
     "serve": "draftline.serving.cli",
-    "run": "draftline.pipeline",
+    "run": "draftline.commands.run",
     "sglang-command": "draftline.engines.sglang.cli",
     "check-sglang-args": "draftline.engines.sglang.cli",
 }

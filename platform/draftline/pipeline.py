@@ -13,13 +13,12 @@ Each stage's output goes to `<...>/logs/<stage>.log`, and only draftline's own l
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, write_resolved
 from draftline.data.prepare import prepare
 from draftline.data.prepare import summary_text as prepare_summary
 from draftline.extract.online import online_extract_summary
@@ -31,8 +30,8 @@ from draftline.regenerate.run import regenerate
 from draftline.regenerate.run import summary_text as regenerate_summary
 from draftline.release import promote_and_roll
 from draftline.report import serving_line, write_report
-from draftline.serving.control import block_until_interrupted, serve_champion, smoke_chat_completion
-from draftline.serving.liveness import current_cluster, refuse_foreign_port, serving_at_exit, serving_now, start_command
+from draftline.serving.control import serve_champion, smoke_chat_completion
+from draftline.serving.liveness import current_cluster, refuse_foreign_port, serving_at_exit, serving_now
 from draftline.stagelog import stage_log
 from draftline.target.bootstrap import bootstrap_summary, bootstrap_target
 from draftline.target.load import resolve_target_dir
@@ -271,39 +270,3 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
         # Plain print: rich would wrap the command at the console width and read `[...]` in overrides as markup.
         print(f"endpoint: {serving_line(summary['serve']['serving'])}", flush=True)
     return summary
-
-
-def _cmd(args) -> int:
-    from draftline.cli import config_from_args
-
-    cfg = config_from_args(args)
-    names = plan(cfg, args.from_stage, args.until)
-    if args.dry_run:
-        print("# resolved config")
-        print(config_to_yaml(cfg))
-        print("# stages: " + " -> ".join(names))
-        if args.from_stage:
-            print(f"# forced from: {args.from_stage}")
-        return 0
-
-    # As this run was started, so the command can be pasted as is (`.venv/bin/draftline` after `make demo`).
-    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "draftline" else "draftline"
-    # RegistryError, ServingError, StorageFullError...: cli.main prints the one line and exits 1.
-    summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until,
-                           start_command=start_command(program, args.config, list(args.overrides or []),
-                                                       local=not configured_ray_address(cfg)))
-    if args.serve and "serve" in summary:
-        block_until_interrupted(cfg)
-    return 0
-
-
-def register(subparsers) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser("run", help="run the whole pipeline (stages whose inputs are unchanged are skipped)")
-    add_config_args(parser)
-    parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved config and the stages")
-    parser.add_argument("--from", dest="from_stage", choices=STAGE_NAMES, help="force this stage and the ones after it")
-    parser.add_argument("--until", choices=STAGE_NAMES, help="stop after this stage (e.g. promote, when a RayService serves)")
-    parser.add_argument("--serve", action="store_true", help="keep serving the champion after the pipeline (Ctrl-C stops)")
-    parser.set_defaults(func=_cmd)

@@ -38,16 +38,10 @@ LAYERS: list[tuple[str, set[str]]] = [
 
 # (importer, imported) -> why the import sits inside a function
 ALLOWED_LAZY: dict[tuple[str, str], str] = {}
-# Stage modules that still hold their own subcommand (`register()` / `_cmd`, importing draftline.cli, and the gate
-# bench/cli.py's run_bench) until the command-line glue moves to the commands layer (issue 32, after the branches
-# that change these files land). Emptied by that move; an entry no import needs any more fails the test.
+# The gate plans its bench with bench/cli.py's plan_bench until the bench's planning moves out of its command module.
+# An entry no import needs any more fails the test.
 PENDING_CLI_GLUE: dict[str, set[str]] = {
-    "draftline.data.prepare": {"draftline.cli"},
-    "draftline.regenerate.run": {"draftline.cli"},
-    "draftline.target.bootstrap": {"draftline.cli"},
-    "draftline.gate": {"draftline.cli", "draftline.bench.cli"},
-    "draftline.release": {"draftline.cli"},
-    "draftline.pipeline": {"draftline.cli"},
+    "draftline.gate": {"draftline.bench.cli"},
 }
 
 

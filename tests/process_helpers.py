@@ -10,6 +10,7 @@ import subprocess
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 MARK_ENV = "DRAFTLINE_TEST_OWNER"
@@ -73,17 +74,20 @@ def marked(mark: str) -> list[int]:
 
 @dataclass
 class Owner:
-    """A command started in a session of its own (so SIGINT to its group is Ctrl-C at its terminal), marked."""
+    """A command started in a session of its own (so SIGINT to its group is Ctrl-C at its terminal), marked, with
+    its output in a file (a pipe nobody reads would stop it once full)."""
 
     process: subprocess.Popen
     mark: str
+    log: Path
 
     @classmethod
-    def start(cls, argv: list[str], env: Optional[dict] = None, **popen) -> "Owner":
+    def start(cls, argv: list[str], log: Path, env: Optional[dict] = None, **popen) -> "Owner":
         mark = uuid.uuid4().hex
-        process = subprocess.Popen(argv, env={**(env or os.environ), MARK_ENV: mark}, start_new_session=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
-        return cls(process, mark)
+        with open(log, "w") as out:
+            process = subprocess.Popen(argv, env={**(env or os.environ), MARK_ENV: mark}, start_new_session=True,
+                                       stdout=out, stderr=subprocess.STDOUT, **popen)
+        return cls(process, mark, log)
 
     def tree(self) -> dict[int, int]:
         """{pid: start time} of the owner, its descendants and every process carrying its mark, now."""
@@ -98,9 +102,11 @@ class Owner:
             self.process.send_signal(sig)
 
     def output(self) -> str:
+        """Its output so far; a test that ends with the owner still running kills it."""
         if self.process.poll() is None:
             self.process.kill()
-        return self.process.communicate(timeout=30)[0] or ""
+            self.process.wait(timeout=30)
+        return self.log.read_text(errors="replace")
 
 
 def wait_for(what: str, condition: Callable[[], object], timeout_s: float, owner: Optional[Owner] = None):

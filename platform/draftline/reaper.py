@@ -44,14 +44,20 @@ POLL_S = 1.0
 OWNER_ENV = "DRAFTLINE_SERVER_OWNER"
 
 
-def _stat(pid: int) -> tuple[int, int, int] | None:
-    """(parent pid, session id, start time) of a live process; None when it is gone or a zombie."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat after the command name: the fields from 3 (state) on of proc(5), so field n is at n - 3;
+    None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
+            return handle.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if fields[0] == b"Z":  # state
+
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(parent pid, session id, start time) of a live process; None when it is gone or a zombie."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] == b"Z":
         return None
     return int(fields[1]), int(fields[3]), int(fields[19])  # ppid, session, starttime (fields 4, 6, 22 of proc(5))
 

@@ -44,7 +44,8 @@ SLEEPERS = 3
 def start_owner(tmp_path, then: str) -> tuple[Owner, int]:
     """The owner with its server up, once the reaper has seen the server's processes; -> (owner, server pid)."""
     ready = tmp_path / "ready"
-    owner = Owner.start([sys.executable, "-c", OWNER, str(free_port()), str(ready), then, str(6 * POLL_S)])
+    owner = Owner.start([sys.executable, "-c", OWNER, str(free_port()), str(ready), then, str(6 * POLL_S)],
+                        tmp_path / "owner.log")
     server_pid = int(wait_for("healthy stand-in server", lambda: ready.exists() and ready.read_text(), 60, owner))
     wait_for(f"{SLEEPERS} sleepers", lambda: len(sleepers(owner.mark)) == SLEEPERS, 30, owner)
     return owner, server_pid

@@ -24,11 +24,12 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from draftline.engines.base import GenerationChunk
-from draftline.reaper import server_reaper
+from draftline.reaper import server_reaper, stat_fields
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 STOP_GRACE_S = 15.0
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 class ServerError(RuntimeError):
@@ -48,6 +49,16 @@ async def sse_events(response, error: Callable[[str], Exception], what: str) -> 
         if "error" in event:
             raise error(f"{what} error: {event['error']}")
         yield event
+
+
+def session_cpu_seconds(session_id: int) -> float:
+    """CPU seconds (user and system) of the processes of a session, with those of their children already waited for."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[3]) == session_id:  # session
+            ticks += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime (fields 14-17)
+    return ticks / CLOCK_TICKS_PER_S
 
 
 def _die_with_parent() -> None:
@@ -91,6 +102,10 @@ class ServerProcess:
     @property
     def pid(self) -> Optional[int]:
         return self._process.pid if self._process is not None else None
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the running server's processes have used (its session: the server and its engine processes)."""
+        return session_cpu_seconds(self._process.pid) if self._process is not None else 0.0
 
     @property
     def running(self) -> bool:

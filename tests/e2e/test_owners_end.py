@@ -1,6 +1,6 @@
 """Every process a draftline command starts goes when the command goes, whatever ends it. Each command runs for real
-as a subprocess, with vLLM's CPU build (.venv-vllm) as its engine; once vLLM's process tree is up (API server, its
-EngineCore and Worker, the resource tracker) the command is ended by a signal, and within a deadline no process it
+as a subprocess, with vLLM's CPU build (.venv-vllm) as its engine; once a vLLM server is up (its API server answers
+/health, with its EngineCore, Worker and resource tracker) the command is ended by a signal, and within a deadline no process it
 started may be left: those recorded below it, every process carrying the mark it was started with (process_helpers),
 and the reapers of its servers.
 
@@ -22,6 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import REPO, TEST_CONFIG, VLLM_TEST_OVERRIDES, config_overrides, free_port, make_test_config
@@ -36,13 +37,23 @@ VLLM_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
 
 def vllm_server_up(owner: Owner) -> int | None:
-    """The pid of a vLLM API server the owner started, once its EngineCore and Worker are running."""
+    """The pid of a vLLM API server the owner started, once it answers /health with its EngineCore and Worker below
+    it. (Ended while still starting, vLLM's engine processes sometimes noticed and exited by themselves; started, they
+    stayed for good.)"""
     for pid in marked(owner.mark):
-        if "vllm.entrypoints.openai.api_server" in cmdline(pid):
+        argv = cmdline(pid).split(" ")
+        if "vllm.entrypoints.openai.api_server" in argv and healthy(argv[argv.index("--port") + 1]):
             below = {cmdline(child) for child in descendants(pid)}
             if all(any(title.startswith(t) for title in below) for t in VLLM_TITLES):
                 return pid
     return None
+
+
+def healthy(port: str) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def reapers_of(pids) -> dict[int, int]:

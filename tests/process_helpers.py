@@ -124,14 +124,16 @@ def wait_for(what: str, condition: Callable[[], object], timeout_s: float, owner
     raise AssertionError(f"no {what} within {timeout_s:.0f} s\n{tail}")
 
 
-def survivors(recorded: dict[int, int], mark: str) -> list[str]:
+def survivors(recorded: dict[int, int], mark: Optional[str] = None) -> list[str]:
     """What is still alive of `recorded` ({pid: start time}) or carries `mark`, named for an assertion message."""
-    alive = {pid for pid, started in recorded.items() if start_time(pid) == started} | set(marked(mark))
+    alive = {pid for pid, started in recorded.items() if start_time(pid) == started}
+    alive |= set(marked(mark)) if mark is not None else set()
     return [f"{pid} {cmdline(pid)[:100]}" for pid in sorted(alive)]
 
 
-def wait_all_gone(recorded: dict[int, int], mark: str, timeout_s: float) -> float:
-    """Seconds until nothing of `recorded` is alive and no process carries `mark`; fails listing the survivors."""
+def wait_all_gone(recorded: dict[int, int], mark: Optional[str], timeout_s: float) -> float:
+    """Seconds until nothing of `recorded` is alive and no process carries `mark` (None: none is checked); fails
+    listing the survivors."""
     started = time.monotonic()
     while survivors(recorded, mark) and time.monotonic() - started < timeout_s:
         time.sleep(0.5)

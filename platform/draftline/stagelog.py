@@ -33,6 +33,7 @@ THIRD_PARTY_LINE = re.compile(
     r"|\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(INFO|WARNING|ERROR)\] \[\w+\.py:\d+"  # DeepSpeed's logger
     r"|\[\d{4}-\d\d-\d\d [\d:,.]+ [IWEF] \d+ \d+\] "  # Ray's C++ core (glog format)
     r"|(Successfully registered model|Created version '\d+' of model|Registered model) "  # MLflow registry prints
+    r"|INFO \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ serve \d+ -- "  # Ray Serve's logger in the driver
     r"|[^\n]*: *\d+%\|"  # a tqdm progress bar: `Loading weights:  50%|█████     | 37/75 [00:00<00:00, ...]`
 )
 # A forwarded worker line that is draftline's own terminal line: `(RayTrainWorker pid=12, ip=...) [train] step 50/300`.

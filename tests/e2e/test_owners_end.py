@@ -1,23 +1,27 @@
-"""Every process a draftline command starts goes when the command goes, whatever ends it. Each command runs for real
+"""Every process a draftline command starts goes when its owner goes, whatever ends it. Each command runs for real
 as a subprocess, with vLLM's CPU build (.venv-vllm) as its engine; once a vLLM server is up (its API server answers
-/health, with its EngineCore, Worker and resource tracker) the command is ended by a signal, and within a deadline no process it
-started may be left: those recorded below it, every process carrying the mark it was started with (process_helpers),
-and the reapers of its servers.
+/health, with its EngineCore, Worker and resource tracker), its owner is ended by a signal, and within a deadline no
+process it started may be left: those recorded below it, every process carrying the mark the command was started
+with (process_helpers), and the reapers of its servers.
 
 Before the fix, SIGTERM to `draftline bench --engine vllm` left EngineCore and Worker running for 10 minutes,
-reparented to init: they write their title over their environment and PR_SET_PDEATHSIG was set on the API server
-only. One vLLM start per command, so each command gets one signal, and the three are spread over them:
-  bench       SIGTERM   a command with no handler: dies at once (as with SIGKILL)
-  gate        SIGKILL   the OOM killer's signal: no handler can run
-  regenerate  SIGINT    Ctrl-C, to the command's process group: the driver stops its local Ray, whose workers end
-                        their direct children (the vLLM API server) but not the servers' own workers
-  serve       SIGKILL   the driver's local-cluster reaper stops the Serve replicas, then their servers must go
-The same for a stand-in server, with every signal and an orderly stop, in seconds: tests/integration/
-test_server_reaper.py.
+reparented to init: they write their title over their environment, and PR_SET_PDEATHSIG (SIGKILL) was set on the API
+server only, so they never heard of its end. One vLLM start per command, so each test combines what one start can
+check, and the signals are spread over the commands:
+  bench       SIGTERM to the command, the server's owner (no handler: it dies at once, as with SIGKILL)
+  gate        SIGKILL to the command, the server's owner (the OOM killer's signal: no handler can run)
+  regenerate  SIGKILL to the replica actor that owns the server, then Ctrl-C (SIGINT to the process group) to the
+              command, which stops its local Ray
+  serve       SIGKILL to the Serve replica that owns the server, then SIGTERM to the command
+A replica's server must go with the replica, before the command ends; then nothing of the command may be left. (Ended
+by the command's Ray, the replicas' servers got SIGTERM from Ray's own local-cluster reaper and shut their engines down
+themselves: that path left nothing before the fix either.) The same for a stand-in server, with every signal and an
+orderly stop, in seconds: tests/integration/test_server_reaper.py.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -26,12 +30,15 @@ import httpx
 import pytest
 
 from conftest import REPO, TEST_CONFIG, VLLM_TEST_OVERRIDES, config_overrides, free_port, make_test_config
-from process_helpers import Owner, cmdline, descendants, live_pids, marked, start_time, wait_all_gone, wait_for
+from process_helpers import (
+    Owner, cmdline, descendants, live_pids, marked, parent_pid, start_time, wait_all_gone, wait_for,
+)
 from registry_helpers import mlflow_overrides
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# A vLLM start-up took 222 s at load 25 (benchmarks/RESULTS.md), 7 min at load 45 (this module, before a signal).
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-VLLM_UP_S = 900.0  # a vLLM start-up took 222 s at load 25 (benchmarks/RESULTS.md)
+VLLM_UP_S = 720.0
 GONE_S = 60.0
 VLLM_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
@@ -62,20 +69,45 @@ def reapers_of(pids) -> dict[int, int]:
     return {pid: start_time(pid) for pid in live_pids() if any(o in cmdline(pid) for o in owners)}
 
 
-def end_owner_and_check(argv: list[str], sig: signal.Signals, log: Path) -> None:
+def start_owner(argv: list[str], log: Path) -> tuple[Owner, int, dict[int, int]]:
+    """The command, once its vLLM server is up -> (owner, API server pid, {pid: start time} of the server's tree)."""
     owner = Owner.start([sys.executable, "-m", "draftline.cli", *argv], log, cwd=REPO)
+    server = wait_for("vLLM API server with its EngineCore and Worker", lambda: vllm_server_up(owner), VLLM_UP_S, owner)
+    tree = {pid: start_time(pid) for pid in (server, *descendants(server))}
+    reapers = reapers_of([parent_pid(server)])
+    assert reapers, "no reaper watches the vLLM server"
+    return owner, server, {**tree, **reapers}
+
+
+def end_and_check(owner: Owner, sig: signal.Signals, what: str) -> None:
+    """Send `sig` to the command; then nothing it started may be left."""
+    recorded = owner.tree()
+    recorded.update(reapers_of(recorded))
+    owner.send(sig)
+    owner.process.wait(timeout=GONE_S)
+    seconds = wait_all_gone(recorded, owner.mark, GONE_S)
+    print(f"{what}, then {sig.name} to the command: its {len(recorded)} processes gone {seconds:.1f} s after it")
+
+
+def check_command_owner(argv: list[str], sig: signal.Signals, log: Path) -> None:
+    """The command owns the server (bench, gate: the engines run in the command's own process)."""
+    owner, server, tree = start_owner(argv, log)
     try:
-        server = wait_for("vLLM API server with its EngineCore and Worker", lambda: vllm_server_up(owner), VLLM_UP_S,
-                          owner)
-        recorded = owner.tree()
-        recorded.update(reapers_of(recorded))
-        titles = sorted(cmdline(pid).split(" ")[0] for pid in descendants(server))
-        assert reapers_of(recorded), "no reaper watches the vLLM server"
-        owner.send(sig)
-        owner.process.wait(timeout=GONE_S)
-        seconds = wait_all_gone(recorded, owner.mark, GONE_S)
-        print(f"{argv[0]} ended by {sig.name}: {len(recorded)} processes (vLLM server {server} and {titles} below "
-              f"it) gone {seconds:.1f} s after it")
+        assert parent_pid(server) == owner.process.pid
+        end_and_check(owner, sig, f"{argv[0]}: vLLM tree {sorted(cmdline(pid)[:40] for pid in tree)}")
+    finally:
+        owner.output()
+
+
+def check_replica_owner(argv: list[str], sig: signal.Signals, log: Path) -> None:
+    """A Ray actor of the command owns the server (regenerate and Serve replicas): SIGKILL it first."""
+    owner, server, tree = start_owner(argv, log)
+    try:
+        replica = parent_pid(server)
+        assert replica != owner.process.pid and replica in owner.tree()
+        os.kill(replica, signal.SIGKILL)
+        seconds = wait_all_gone(tree, None, GONE_S)
+        end_and_check(owner, sig, f"{argv[0]}: replica {replica} SIGKILLed, its vLLM tree gone {seconds:.1f} s after")
     finally:
         owner.output()
 
@@ -98,23 +130,23 @@ def config_args(extra: list[str]) -> list[str]:
 
 
 def test_bench_ended_by_sigterm_leaves_nothing(tmp_path, fitted_drafter_dir, tiny_dataset_dir):
-    end_owner_and_check(["bench", "--drafter", str(fitted_drafter_dir), "--concurrency", "1", *config_args([])],
+    check_command_owner(["bench", "--drafter", str(fitted_drafter_dir), "--concurrency", "1", *config_args([])],
                         signal.SIGTERM, tmp_path / "bench.log")
 
 
 def test_gate_ended_by_sigkill_leaves_nothing(tmp_path, registry_overrides, tiny_dataset_dir):
-    end_owner_and_check(["gate", "--version", "1", *config_args(registry_overrides)], signal.SIGKILL,
+    check_command_owner(["gate", "--version", "1", *config_args(registry_overrides)], signal.SIGKILL,
                         tmp_path / "gate.log")
 
 
-def test_regenerate_ended_by_ctrl_c_leaves_nothing(tmp_path, tiny_target_dir):
+def test_a_killed_regenerate_replica_and_then_ctrl_c_leave_nothing(tmp_path, tiny_target_dir):
     source = tmp_path / "source.jsonl"
     source.write_text("".join((tiny_target_dir / "conversations.jsonl").read_text().splitlines(True)[:4]))
-    end_owner_and_check(["regenerate", *config_args([f"data.conversations={source}",
-                                                     "regenerate.max_new_tokens_per_turn=8"])], signal.SIGINT,
-                        tmp_path / "regenerate.log")
+    check_replica_owner(["regenerate", *config_args([f"data.conversations={source}",
+                                                     "regenerate.max_new_tokens_per_turn=8"])],
+                        signal.SIGINT, tmp_path / "regenerate.log")
 
 
-def test_serve_ended_by_sigkill_leaves_nothing(tmp_path, registry_overrides):
-    end_owner_and_check(["serve", *config_args([*registry_overrides, f"serve.port={free_port()}"])], signal.SIGKILL,
+def test_a_killed_serve_replica_and_then_sigterm_leave_nothing(tmp_path, registry_overrides):
+    check_replica_owner(["serve", *config_args([*registry_overrides, f"serve.port={free_port()}"])], signal.SIGTERM,
                         tmp_path / "serve.log")

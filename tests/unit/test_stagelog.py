@@ -38,3 +38,12 @@ def test_training_progress_from_a_ray_worker_is_shown_once_without_rays_prefix()
     )
     assert terminal == progress + "\n"
     assert log.count(progress) == 2 and "Checkpoint successfully created" in log
+
+
+def test_ray_serves_info_lines_in_the_driver_go_to_the_log_and_its_warnings_stay():
+    """Ray Serve logs from the driver in its own format; draftline's serving warnings use Serve's logger too."""
+    started = 'INFO 2026-12-06 14:54:47,094 serve 22551 -- Started Serve in namespace "serve".\n'
+    warning = ("WARNING 2026-12-06 14:54:47,116 serve 22551 -- serving the target alone: model draftline-tiny-llama "
+               "has no alias 'champion'\n")
+    terminal, log = through_stage_stream(started, warning)
+    assert terminal == warning and started in log

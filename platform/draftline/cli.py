@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from draftline.config import ConfigError, DraftlineConfig, check_data_dir, load_config
+from draftline.raycluster import local_ray_stopped_at_the_end
 from draftline.stagelog import command_log
 
 # Modules with a `register(subparsers)` function. Imported lazily per command so `--help` stays fast.
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(command if command in COMMAND_MODULES else None)
     args = parser.parse_args(argv)
     try:
-        with command_log(args.command, args):  # Ray's and other libraries' noise to <data_dir>/logs/<command>.log
+        # Ray's and other libraries' noise to <data_dir>/logs/<command>.log, Ray's last lines at its shutdown included.
+        with command_log(args.command, args), local_ray_stopped_at_the_end():
             return int(args.func(args) or 0)
     except Exception as err:
         if not is_expected_error(err):

@@ -13,6 +13,7 @@ printed and written as report.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
+from draftline.raycluster import local_ray_stopped_at_the_end
 from draftline.stagelog import stage_log
 from draftline.utils import atomic_write_json, read_json, stable_hash
 
@@ -236,8 +238,9 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
     root = pipeline_dir(cfg)
     write_resolved(cfg, root)
     # Between stages too only draftline's lines reach the terminal: Ray forwards a worker's last lines after its
-    # stage has returned. What no stage log takes goes to the run's own log.
-    with stage_log(root / "logs" / RUN_LOG, set()):
+    # stage has returned, the last of them as it shuts down. What no stage log takes goes to the run's own log.
+    ray_ends = contextlib.nullcontext() if keep_serving else local_ray_stopped_at_the_end()
+    with stage_log(root / "logs" / RUN_LOG, set()), ray_ends:
         summary = _run_stages(Context(cfg=cfg, keep_serving=keep_serving), names, from_stage, root, console)
         if "serve" in summary:
             from draftline.serving.liveness import serving_at_exit

@@ -22,7 +22,9 @@ import json
 import os
 import secrets
 import subprocess
+import sys
 from pathlib import Path
+from typing import Iterator
 
 from draftline import reaper
 from draftline.config import DraftlineConfig
@@ -198,6 +200,21 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
     _start_reaper(address)
     _ray_mode = "local"
     return _ray_mode
+
+
+@contextlib.contextmanager
+def local_ray_stopped_at_the_end() -> Iterator[None]:
+    """Stop, as the block ends, a local cluster this process started inside it. Ray prints the last lines its workers
+    wrote as it shuts down; at interpreter exit they would reach the terminal after the command's log has closed.
+    A cluster that was up before the block (a test session's) or that is not local is left alone."""
+    global _ray_mode
+    up_before = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    try:
+        yield
+    finally:
+        if not up_before and _ray_mode == "local" and "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
+            _ray_mode = None
 
 
 _reaper: subprocess.Popen | None = None  # kept for this process's life: its stdin is the pipe the reaper watches

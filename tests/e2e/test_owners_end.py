@@ -21,9 +21,11 @@ orderly stop, in seconds: tests/integration/test_server_reaper.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import httpx
@@ -140,11 +142,15 @@ def test_gate_ended_by_sigkill_leaves_nothing(tmp_path, registry_overrides, tiny
 
 
 def test_a_killed_regenerate_replica_and_then_ctrl_c_leave_nothing(tmp_path, tiny_target_dir):
+    """The target's 200 conversations three times over, under ids of this run's own (so no earlier output is reused):
+    minutes of regeneration, so the server is still at work when the test has seen it up."""
+    run = uuid.uuid4().hex[:8]
+    conversations = [json.loads(line) for line in (tiny_target_dir / "conversations.jsonl").read_text().splitlines()]
     source = tmp_path / "source.jsonl"
-    source.write_text("".join((tiny_target_dir / "conversations.jsonl").read_text().splitlines(True)[:4]))
-    check_replica_owner(["regenerate", *config_args([f"data.conversations={source}",
-                                                     "regenerate.max_new_tokens_per_turn=8"])],
-                        signal.SIGINT, tmp_path / "regenerate.log")
+    source.write_text("".join(json.dumps({**c, "id": f"{c['id']}-{copy}-{run}"}) + "\n"
+                              for copy in range(3) for c in conversations))
+    check_replica_owner(["regenerate", *config_args([f"data.conversations={source}"])], signal.SIGINT,
+                        tmp_path / "regenerate.log")
 
 
 def test_a_killed_serve_replica_and_then_sigterm_leave_nothing(tmp_path, registry_overrides):

@@ -37,6 +37,7 @@ COMMAND_MODULES = {
 EXPECTED_ERRORS = frozenset({
     "draftline.config.ConfigError",
     "draftline.data.conversations.DataError",
+    "draftline.data.conversations.NoConversationsError",
     "draftline.data.masks.TemplateError",
     "draftline.data.vocab.VocabError",
     "draftline.engines.server_process.ServerError",
@@ -48,6 +49,8 @@ EXPECTED_ERRORS = frozenset({
     "draftline.release.ReleaseError",
     "draftline.serving.control.ServingError",
     "draftline.target.aux_layers.AuxLayerIdError",
+    "draftline.train.run.WorkerStartTimeoutError",
+    "draftline.utils.LockTimeoutError",
     "draftline.utils.StorageFullError",
 })
 DEBUG_ENV = "DRAFTLINE_DEBUG"

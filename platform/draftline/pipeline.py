@@ -1,6 +1,6 @@
 """`draftline run`: the whole platform as one job.
 
-bootstrap (embedded only) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
+bootstrap (embedded or gguf) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
 
 Each stage records what it was run on (a hash of its config sections and its upstream outputs) and what it produced
 in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
@@ -46,6 +46,8 @@ class Stage:
     output_paths: tuple[str, ...] = ()
     # For a stage whose output is a process, not files: why its recorded outputs no longer hold now (None: they do).
     still_running: Optional[Callable[[Context, dict], Optional[str]]] = None
+    # Settings the stage's result depends on that are not a whole section (part of its skip key).
+    derived: Callable[[DraftlineConfig], dict] = lambda cfg: {}
 
 
 def _stage_bootstrap(ctx: Context) -> dict:
@@ -157,11 +159,16 @@ def _serve_still_running(ctx: Context, recorded: dict) -> Optional[str]:
     return None if now["serving"] else now["reason"]
 
 
+def _regenerate_engine_key(cfg: DraftlineConfig) -> dict:
+    """The engine regenerate runs, target only: the speculative settings the gate and serving use change nothing."""
+    return {"engine": cfg.regenerate_engine.model_dump(mode="json", exclude={"speculative"})}
+
+
 STAGES: tuple[Stage, ...] = (
-    Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind == "embedded",
+    Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind in ("embedded", "gguf"),
           output_paths=("target_dir",)),
-    Stage("regenerate", _stage_regenerate, ("regenerate", "data", "engine", "seed"), ("bootstrap",),
-          applies=lambda cfg: cfg.regenerate.enabled, output_paths=("conversations",)),
+    Stage("regenerate", _stage_regenerate, ("regenerate", "data", "seed"), ("bootstrap",),
+          applies=lambda cfg: cfg.regenerate.enabled, output_paths=("conversations",), derived=_regenerate_engine_key),
     Stage("prepare", _stage_prepare, ("data",), ("bootstrap", "regenerate"), output_paths=("dataset_dir",)),
     Stage("extract", _stage_extract, ("extract", "target"), ("prepare",), output_paths=("hidden_dir",)),
     Stage("train", _stage_train, ("train", "tracking"), ("extract",), output_paths=("export_dir",)),
@@ -182,7 +189,9 @@ def pipeline_dir(cfg: DraftlineConfig) -> Path:
 def stage_key(cfg: DraftlineConfig, stage: Stage, outputs: dict[str, dict]) -> str:
     dumped = cfg.model_dump(mode="json")
     upstream = {name: outputs.get(name) for name in stage.upstream}
-    return stable_hash({s: dumped[s] for s in stage.sections}, upstream)[:16]
+    derived = stage.derived(cfg)
+    # Without derived settings the key is what it was before they existed: a finished run is not redone.
+    return stable_hash({s: dumped[s] for s in stage.sections}, upstream, *([derived] if derived else []))[:16]
 
 
 def _record_is_valid(record: dict, key: str, stage: Stage) -> bool:

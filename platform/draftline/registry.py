@@ -13,14 +13,15 @@ Serving resolves `models:/<name>@champion` through `resolve_alias`, which return
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import unquote, urlparse
 
-from draftline.config import DraftlineConfig
-from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_TAG, mlflow_client
+from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.tracking import BENCH_BEST_TAG, GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_TAG, mlflow_client
 from draftline.utils import stable_hash
 
 CHAMPION = "champion"
@@ -144,6 +145,21 @@ def alias_version_number(cfg: DraftlineConfig, alias: str = CHAMPION) -> Optiona
     """The version number an alias points at, or None (cheap: no download; for watchers)."""
     mv = _alias_version(mlflow_client(cfg), cfg.registered_model_name, alias)
     return None if mv is None else str(mv.version)
+
+
+def measured_speculative(resolved: ResolvedVersion, concurrency: int, base: SpeculativeConfig) -> Optional[SpeculativeConfig]:
+    """The speculative settings `draftline bench --sweep` measured fastest for this version: its entry for the highest
+    benched concurrency not above `concurrency` (else the lowest benched one); None when no sweep was stored."""
+    stored = resolved.tags.get(BENCH_BEST_TAG)
+    if not stored:
+        return None
+    best = {int(level): entry for level, entry in json.loads(stored).items()}
+    if not best:
+        return None
+    level = max([lv for lv in best if lv <= concurrency], default=min(best))
+    entry = best[level]
+    return SpeculativeConfig(algorithm=base.algorithm, num_steps=entry["num_steps"], eagle_topk=entry["eagle_topk"],
+                             num_draft_tokens=entry["num_draft_tokens"])
 
 
 def latest_version(cfg: DraftlineConfig) -> str:

@@ -49,11 +49,11 @@ def rollback_and_roll(cfg: DraftlineConfig) -> str:
 
 def _transaction(cfg: DraftlineConfig, wanted: ResolvedVersion, move_aliases: Callable[[], str]) -> str:
     from draftline.serving.control import ServingError, roll_to, serving_now
-    from draftline.serving.served_model import ServedModel
+    from draftline.serving.served_model import served_version
 
     aliases_before = (alias_version_number(cfg, CHAMPION), alias_version_number(cfg, PREVIOUS))
     before = serving_now(cfg)
-    target = ServedModel(registered_model=wanted.name, model_version=wanted.version, export_dir=str(wanted.export_dir))
+    target = served_version(cfg, wanted)
     rolled = before is not None and before != target
     if rolled:
         try:

@@ -15,7 +15,7 @@ from conftest import REPO, SMALL_BENCH, TEST_CONFIG, config_overrides, make_test
 from registry_helpers import mlflow_overrides
 
 # A run through extraction and a short training took 7.5 min at load 25 and did not finish in 15 at load 50.
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1800)]
+pytestmark = pytest.mark.timeout(1800)
 
 
 # The run goes on through a short training (2 validation steps), whose progress must reach a terminal that is not one.

@@ -16,7 +16,6 @@ from draftline.extract.shards import HiddenStateShards
 from draftline.utils import StorageFullError
 from tests.conftest import make_test_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 SHARDS_BEFORE_DEATH = 3
 

@@ -36,7 +36,7 @@ from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
 # One cluster for the module (11 s to start at load ~4); each scenario kills one worker node and the next one
 # gets a fresh worker node in its place.
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
 
 WORKER_NODES = 2
 

@@ -38,7 +38,7 @@ from process_helpers import (
 from registry_helpers import mlflow_overrides
 
 # A vLLM start-up took 222 s at load 25 (benchmarks/RESULTS.md), 7 min at load 45 (this module, before a signal).
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
 
 VLLM_UP_S = 720.0
 GONE_S = 60.0

@@ -17,7 +17,6 @@ from draftline.train.run import train
 from draftline.utils import StorageFullError
 from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 MAX_STEPS = 8
 KILL_AT_STEP = 5  # after the step-3 checkpoint, before the step-6 one

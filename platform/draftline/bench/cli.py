@@ -4,6 +4,7 @@
     draftline bench --version 3 --sweep  # try bench.sweep_grid, store the best config per concurrency on version 3
     draftline bench --drafter DIR        # an export directory that is not registered
     draftline bench --engine vllm        # the same through vLLM (engine.backend), e.g. its CPU build
+    draftline bench --prompts mt-bench   # MT-bench's 80 questions, both turns (turn 2 after the target's own answer)
     draftline bench --concurrency 1,4 bench.rounds=3  # levels as one comma-separated value; overrides may follow
 
 The target-only engine (same backend, no speculation) runs on the same prompts as every speculative configuration,
@@ -102,7 +103,7 @@ def plan_bench(
         from draftline.data.prepare import prepare
 
         dataset_dir = prepare(cfg, target_dir)
-    prompts = load_bench_prompts(cfg, AutoTokenizer.from_pretrained(target_dir), dataset_dir)
+    prompts = load_bench_prompts(cfg, AutoTokenizer.from_pretrained(target_dir), dataset_dir, target_dir)
     engines = [EngineSpec(BASELINE)]
     for label, drafter_dir, version in candidates:
         for spec in speculative_grid(cfg, sweep):
@@ -190,7 +191,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="override bench.concurrency, e.g. 1,4")
     parser.add_argument("--max-new-tokens", type=int, help="override bench.max_new_tokens")
     parser.add_argument("--num-prompts", type=int, help="override bench.num_prompts")
-    parser.add_argument("--prompts", help="jsonl prompt file (override bench.prompts)")
+    parser.add_argument("--prompts", help="a benchmark: a registered name (mt-bench) or a jsonl of prompts or "
+                        "conversations (override bench.prompts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, which also checks losslessness")
     parser.add_argument("--out", help="write the JSON report here")
     add_engine_arg(parser)

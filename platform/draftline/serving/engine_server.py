@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Optional
 
 from ray import serve
 
-from draftline.config import DraftlineConfig
+from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import SamplingParams
 from draftline.serving.metrics import EngineMetrics
 from draftline.serving.openai_schema import ServedVersion
@@ -43,6 +43,7 @@ async def start_engine(cfg: DraftlineConfig, target_dir: Path, wanted: ServedMod
         target_dir,
         drafter_dir=Path(wanted.export_dir) if wanted.export_dir else None,
         model_version=wanted.model_version,
+        speculative=SpeculativeConfig(**wanted.speculative) if wanted.speculative else None,
     )
     await engine.start()
     if not await engine.health():

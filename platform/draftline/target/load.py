@@ -65,7 +65,7 @@ class LoadedTarget:
 
 
 def resolve_target_dir(cfg: DraftlineConfig) -> Path:
-    if cfg.target.kind == "embedded":
+    if cfg.target.kind in ("embedded", "gguf"):
         from draftline.target.bootstrap import bootstrap_target
 
         return bootstrap_target(cfg)

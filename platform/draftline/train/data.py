@@ -24,6 +24,7 @@ import torch
 
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+FINAL_NORM_NAMES = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight")
 VOCAB_CHUNK = 16384  # target ids per block of target logits: [B*L, 16384] fp32 is 128 MiB at 2K tokens
 
 
@@ -135,15 +136,18 @@ def collate(samples: Sequence[dict]) -> Batch:
 
 
 class TargetHead:
-    """The target's frozen token embedding [Vt, H] and lm_head [Vt, H], read alone from its safetensors."""
+    """The target's frozen token embedding [Vt, H] and lm_head [Vt, H], read alone from its safetensors, and its
+    final norm's weight [H] (None when the weights have none under a known name)."""
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 final_norm_weight: torch.Tensor | None = None):
         if embed_weight.shape != lm_head_weight.shape:
             raise ValueError(
                 f"target embedding {tuple(embed_weight.shape)} and lm_head {tuple(lm_head_weight.shape)} differ in shape"
             )
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
+        self.final_norm_weight = final_norm_weight
 
     @property
     def vocab_size(self) -> int:
@@ -154,7 +158,8 @@ class TargetHead:
         return self.embed_weight.shape[1]
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "TargetHead":
-        return TargetHead(self.embed_weight.to(device, dtype), self.lm_head_weight.to(device, dtype))
+        norm = self.final_norm_weight.to(device, dtype) if self.final_norm_weight is not None else None
+        return TargetHead(self.embed_weight.to(device, dtype), self.lm_head_weight.to(device, dtype), norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(input_ids, self.embed_weight)
@@ -236,4 +241,4 @@ def load_target_head(target_dir: str | Path) -> TargetHead:
                 "config.json does not set tie_word_embeddings"
             )
         lm_head = embed
-    return TargetHead(embed, lm_head)
+    return TargetHead(embed, lm_head, _read_tensor(where, FINAL_NORM_NAMES))

@@ -30,6 +30,7 @@ from torch import nn
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import est_accept_len, ttt_loss
 from draftline.train.data import Batch, ShardSamples, TargetHead, collate
+from draftline.train.deepspeed_ops import ensure_shm_comm_op
 from draftline.utils import StorageFullError, hold_until_killed, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
@@ -298,14 +299,27 @@ def maybe_kill_for_test(fault: dict | None, step: int, rank: int, world_size: in
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
+def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor,
+                  init_norm_from_target: bool = False) -> Eagle3Drafter:
     drafter = Eagle3Drafter(DrafterConfig.from_dict(loop_config["drafter_config"]))
     drafter.set_vocab(d2t, t2d)
     with torch.no_grad():
         # Start the draft lm_head as the target's own rows for the draft vocab: the drafter's first job is to
         # predict what the target predicts, and this head already maps target-like states to target logits.
         drafter.lm_head.weight.copy_(head.lm_head_weight[t2d.bool()].to(drafter.lm_head.weight.dtype))
+        if init_norm_from_target:
+            drafter.norm.weight.copy_(target_final_norm(head, drafter).to(drafter.norm.weight.dtype))
     return drafter
+
+
+def target_final_norm(head: TargetHead, drafter: Eagle3Drafter) -> torch.Tensor:
+    """The target's final norm weight, which scales what its lm_head (the drafter's starting head) reads."""
+    width = drafter.norm.weight.shape[0]
+    if head.final_norm_weight is None or head.final_norm_weight.shape[0] != width:
+        found = None if head.final_norm_weight is None else tuple(head.final_norm_weight.shape)
+        raise ValueError(f"train.init_norm_from_target: the target's final norm weight is {found}, the drafter's norm "
+                         f"has width {width}; set train.init_norm_from_target=false")
+    return head.final_norm_weight
 
 
 def worker_samples(loop_config: dict, cfg, rank: int, world_size: int, resume_step: int):
@@ -374,7 +388,7 @@ def _train(loop_config: dict) -> None:
     head = load_target_head(loop_config["target_dir"]).to(device, dtype)
     t2d_device = t2d.to(device)
 
-    drafter = build_drafter(loop_config, head, d2t, t2d)
+    drafter = build_drafter(loop_config, head, d2t, t2d, cfg.train.init_norm_from_target)
     objective = TTTObjective(
         drafter, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.loss, train_cfg.activation_checkpointing
     )
@@ -384,6 +398,7 @@ def _train(loop_config: dict) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, train_cfg.warmup_steps, train_cfg.max_steps)
     )
+    ensure_shm_comm_op()
     engine, _, _, _ = deepspeed.initialize(
         model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(train_cfg)
     )

@@ -25,6 +25,7 @@ from draftline.utils import (
     StorageFullSink,
     actor_on_driver_node,
     atomic_write_json,
+    environment_restored,
     fault_action_from_env,
     raise_if_storage_full,
     read_json,
@@ -34,6 +35,12 @@ from draftline.utils import (
 RESULT_FILE = "train_result.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 EXPORT_SUBDIR = "drafter"
+# Ray Train's deadline for one start of the worker group (it hands the variable on to its controller).
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+class WorkerStartTimeoutError(RuntimeError):
+    """The training worker group never started: the cluster did not fit it within train.start_timeout_s."""
 
 
 def _log(msg: str) -> None:
@@ -226,7 +233,7 @@ def online_inputs(cfg: DraftlineConfig, dataset_dir: str | os.PathLike, target_d
 def training_hash(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
     """Changes whenever the trained weights could: train config, seed, target, dataset, hidden states."""
     train_section = cfg.train.model_dump(mode="json")
-    for not_affecting in ("max_failures", "log_every", "storage_uri"):
+    for not_affecting in ("max_failures", "log_every", "storage_uri", "start_timeout_s", "collective_timeout_s"):
         train_section.pop(not_affecting)
     return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, inputs.hidden_key)[:16]
 
@@ -331,6 +338,36 @@ def checkpoint_storage_path(cfg: DraftlineConfig) -> str:
     return cfg.train.storage_uri or str(cfg.data_path("ray", "train"))
 
 
+def _caused_by(err: BaseException, type_name: str) -> bool:
+    """Whether `err`, the exceptions it was raised from, or the failure a Ray Train error wraps is a `type_name`."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if type(current).__name__ == type_name:
+            return True
+        pending += [current.__cause__, current.__context__, getattr(current, "controller_failure", None)]
+    return False
+
+
+def worker_start_timeout_message(cfg: DraftlineConfig, resources_per_worker: dict) -> str:
+    import ray
+
+    train_cfg = cfg.train
+    timeout_s = float(os.environ.get(WORKER_GROUP_START_TIMEOUT_ENV, train_cfg.start_timeout_s))
+    free = {k: v for k, v in ray.available_resources().items() if k in resources_per_worker}
+    total = {k: v for k, v in ray.cluster_resources().items() if k in resources_per_worker}
+    return (
+        f"training workers did not start: Ray Train waited {timeout_s:g} s (train.start_timeout_s), "
+        f"{1 + train_cfg.max_failures} time(s), for {train_cfg.num_workers} worker(s) of {resources_per_worker} each; "
+        f"the cluster has {free} free of {total}. Free those resources (another job or a leftover placement group may "
+        "hold them: `ray status`), lower train.num_workers or train.cpus_per_worker, or raise train.start_timeout_s"
+    )
+
+
 def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online: dict | None = None):
     """trainer.fit(); a full disk in any worker raises StorageFullError with that worker's one line. `online`
     (TrainInputs.online): each worker reads a stream of the target's states instead of shards."""
@@ -361,21 +398,29 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
         train_loop_config={**loop_config, "storage_full_sink": storage_full_sink,
                            "checkpoint_location": f"{checkpoint_storage_path(cfg).rstrip('/')}/{run_name}"},
         **data_kwargs,
-        torch_config=TorchConfig(backend=train_cfg.backend),
+        torch_config=TorchConfig(backend=train_cfg.backend, timeout_s=int(train_cfg.collective_timeout_s)),
         scaling_config=ScalingConfig(
             num_workers=train_cfg.num_workers, use_gpu=train_cfg.use_gpu, resources_per_worker=resources_per_worker
         ),
         run_config=RunConfig(
             name=run_name,
             storage_path=checkpoint_storage_path(cfg),
-            failure_config=FailureConfig(max_failures=train_cfg.max_failures),
+            # A start that times out is a controller failure, which Ray Train retries forever unless limited.
+            failure_config=FailureConfig(max_failures=train_cfg.max_failures,
+                                         controller_failure_limit=train_cfg.max_failures),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=2, checkpoint_score_attribute=SCORE_METRIC, checkpoint_score_order="max"
             ),
         ),
     )
     try:
-        return trainer.fit()
+        with environment_restored(WORKER_GROUP_START_TIMEOUT_ENV):  # Ray Train hands it on to its controller
+            os.environ.setdefault(WORKER_GROUP_START_TIMEOUT_ENV, str(train_cfg.start_timeout_s))
+            return trainer.fit()
+    except Exception as err:
+        if _caused_by(err, "WorkerGroupStartupTimeoutError"):
+            raise WorkerStartTimeoutError(worker_start_timeout_message(cfg, resources_per_worker)) from err
+        raise
     finally:
         if online is not None:  # the target actors' stage groups (extract.pipeline): Ray keeps them until the job ends
             from draftline.target.stages import remove_stage_groups
@@ -457,7 +502,7 @@ def train(
     started = time.perf_counter()
     try:
         ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}", online=inputs.online)
-    except StorageFullError:
+    except (StorageFullError, WorkerStartTimeoutError):  # no retry or rerun fixes these: their line says what does
         with contextlib.suppress(Exception):  # the tracking store may be on the same full disk: the line matters more
             client.set_terminated(run_id, status="FAILED")
         raise

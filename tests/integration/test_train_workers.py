@@ -1,0 +1,48 @@
+"""The training worker group on a real Ray cluster, without training: starts the cluster cannot fit, and a full disk.
+
+A group the cluster cannot fit fails within train.start_timeout_s, naming what it waited for, instead of waiting
+forever (Ray Train retries a start that timed out as a controller failure, by default forever)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_test_config
+from draftline.train.loop import train_loop_per_worker
+from draftline.train.run import WorkerStartTimeoutError, _run_workers
+from draftline.utils import StorageFullError, StorageFullSink
+
+
+def test_workers_the_cluster_cannot_fit_fail_at_the_deadline_naming_the_resources(ray_cluster, tmp_path):
+    cfg = make_test_config(tmp_path, ["train.cpus_per_worker=64", "train.start_timeout_s=3", "train.max_failures=1"])
+    with pytest.raises(WorkerStartTimeoutError) as raised:
+        _run_workers(cfg, {}, run_name="never-starts")
+    message = str(raised.value)
+    assert "waited 3 s (train.start_timeout_s), 2 time(s), for 2 worker(s) of {'CPU': 64.0} each" in message, message
+    assert "the cluster has {'CPU': " in message and "raise train.start_timeout_s" in message
+
+
+def test_a_full_disk_stops_the_worker_group_and_its_retry_does_not_train(ray_cluster, monkeypatch):
+    """Ray Train retries every worker error (FailureConfig.max_failures), so a full disk restarted the group to fail
+    the same way. Now the failing rank leaves the message with the driver's sink, and the retried workers return
+    before building anything."""
+    import ray
+
+    import draftline.train.loop as loop_module
+
+    attempts = []
+
+    def train_until_the_disk_fills(loop_config):
+        attempts.append(len(attempts))
+        raise StorageFullError("cannot write /ck: No space left on device")
+
+    monkeypatch.setattr(loop_module, "_train", train_until_the_disk_fills)
+    sink = ray.remote(num_cpus=0)(StorageFullSink).remote()
+    try:
+        with pytest.raises(StorageFullError):
+            train_loop_per_worker({"storage_full_sink": sink})
+        assert ray.get(sink.messages.remote()) == ["cannot write /ck: No space left on device"]
+        train_loop_per_worker({"storage_full_sink": sink})  # Ray Train's retry of the group
+        assert attempts == [0], "the retried worker must not train again"
+    finally:
+        ray.kill(sink)

@@ -69,17 +69,23 @@ def test_regenerate_through_draftline_serve_matches_reference(ray_cluster, regen
 
 
 def replica_actor_ids() -> set[str]:
+    """Of the test's own cluster: with no address, Ray's state API fails when other Ray instances run on the machine."""
+    import ray
     from ray.util.state import list_actors
 
-    return {actor.actor_id for actor in list_actors(filters=[("class_name", "=", "RegenerateReplica")], limit=10000)}
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,
+                         filters=[("class_name", "=", "RegenerateReplica")], limit=10000)
+    return {actor.actor_id for actor in actors}
 
 
 def replica_log(actor_ids: set[str]) -> list[str]:
     """What the replicas wrote on stderr (Python's logging), from Ray's worker log files."""
+    import ray
     from ray.util.state import get_log
 
-    return [line for actor_id in sorted(actor_ids) for chunk in get_log(actor_id=actor_id, suffix="err")
-            for line in chunk.splitlines()]
+    address = ray.get_runtime_context().gcs_address
+    return [line for actor_id in sorted(actor_ids)
+            for chunk in get_log(address=address, actor_id=actor_id, suffix="err") for line in chunk.splitlines()]
 
 
 def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path, regenerate_overrides,

@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from draftline.config import ConfigError, DraftlineConfig, check_data_dir, load_config
+from draftline.raycluster import local_ray_stopped_at_the_end
 from draftline.stagelog import command_log
 
 # Modules with a `register(subparsers)` function. Imported lazily per command so `--help` stays fast.
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(parser, argv)
     try:
         take_config_path(args)
-        with command_log(args.command, args):  # Ray's and other libraries' noise to <data_dir>/logs/<command>.log
+        # Ray's and other libraries' noise to <data_dir>/logs/<command>.log, Ray's last lines at its shutdown included.
+        with command_log(args.command, args), local_ray_stopped_at_the_end():
             return int(args.func(args) or 0)
     except Exception as err:
         if not is_expected_error(err):

@@ -229,7 +229,7 @@ def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_
             def evaluate(confidence: float) -> list[Check]:
                 nonlocal report
                 rows = paired.rows(confidence, cfg.bench.bootstrap_samples)
-                report = plan.report(cfg, rows, confidence)
+                report = plan.report(cfg, rows, confidence, paired.schedule())
                 if champion_label is not None:
                     report["champion_p99_itl"] = champion_p99_itl(
                         rows, candidate_label, champion_label, confidence, cfg.bench.bootstrap_samples, cfg.seed

@@ -7,8 +7,9 @@
     draftline bench --prompts mt-bench   # MT-bench's 80 questions, both turns (turn 2 after the target's own answer)
     draftline bench --concurrency 1,4 bench.rounds=3  # levels as one comma-separated value; overrides may follow
 
-The target-only engine (same backend, no speculation) runs first on the same prompts; every speculative
-configuration is compared against it at each concurrency level. Output: a table, and JSON with `--out`.
+The target-only engine (same backend, no speculation) runs on the same prompts as every speculative configuration,
+in paired rounds whose order alternates (bench/runner.py PairedRounds); each is compared against it at each
+concurrency level, on wall time and on CPU time. Output: a table, and JSON with `--out`.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class BenchPlan:
     def paired_rounds(self, cfg: DraftlineConfig, log=print) -> PairedRounds:
         return PairedRounds(cfg, self.target_dir, self.engines, self.prompts, list(cfg.bench.concurrency), self.params, log)
 
-    def report(self, cfg: DraftlineConfig, rows: list[LoadRow], confidence: float) -> dict:
+    def report(self, cfg: DraftlineConfig, rows: list[LoadRow], confidence: float, schedule: dict) -> dict:
+        """The JSON report; `schedule` is PairedRounds.schedule() (engines up together, round order)."""
         metrics = [row.metrics() for row in rows]
         return {
             "backend": cfg.engine.backend,
@@ -86,6 +88,7 @@ class BenchPlan:
             "confidence": confidence,
             "candidates": [{"label": label, "drafter_dir": str(d), "model_version": v} for label, d, v in self.candidates],
             "machine_load": machine_load(rows),
+            **schedule,
             "rows": metrics,
         }
 
@@ -123,13 +126,14 @@ def run_bench(
     """
     plan = plan_bench(cfg, candidates, sweep, temperature)
 
-    async def rounds() -> list[LoadRow]:
+    async def rounds() -> tuple[list[LoadRow], dict]:
         async with plan.paired_rounds(cfg, log) as paired:
             for _ in range(cfg.bench.rounds):
                 await paired.run_round()
-            return paired.rows(cfg.bench.confidence, cfg.bench.bootstrap_samples)
+            return paired.rows(cfg.bench.confidence, cfg.bench.bootstrap_samples), paired.schedule()
 
-    report = plan.report(cfg, asyncio.run(rounds()), cfg.bench.confidence)
+    rows, schedule = asyncio.run(rounds())
+    report = plan.report(cfg, rows, cfg.bench.confidence, schedule)
     if sweep:
         report["best"] = best_per_concurrency(report["rows"])
     return report
@@ -222,6 +226,8 @@ def _bench_command(args: argparse.Namespace) -> int:
         return 1
     report = run_bench(cfg, [candidate], sweep=cfg.bench.sweep, temperature=args.temperature)
     print(format_table(report["rows"]))
+    together = "up together for the whole bench" if report["engines_up_together"] else "started for each round"
+    print(f"engines {together}; order per round: " + "; ".join(", ".join(order) for order in report["round_order"]))
     if "best" in report:
         print("best per concurrency: " + json.dumps(report["best"], sort_keys=True))
     if args.out:

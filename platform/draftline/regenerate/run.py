@@ -54,6 +54,7 @@ from draftline.target.load import resolve_target_dir, target_fingerprint
 from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
 from draftline.utils import atomic_write_json, atomic_write_text, read_json, sha256_file, stable_fraction, stable_hash
 
+REPLICA_STOP_TIMEOUT_S = 30.0  # a server's stop: SIGTERM, 15 s grace, SIGKILL (engines/server_process.py)
 
 
 def _log(msg: str) -> None:
@@ -199,6 +200,13 @@ class RegenerateReplica:
 
     async def progress(self) -> dict:
         return dict(self.shard_counts)
+
+    async def stop(self) -> None:
+        """Stop the engine before the actor is killed: Ray SIGKILLs an exiting worker's children, and the engine's
+        supervisor would take its server's end for a crash."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await engine.stop()
 
 
 # ----------------------------------------------------------------------------------------------- the stage
@@ -353,8 +361,11 @@ class ReplicaPool:
         return counts
 
     def shutdown(self) -> None:
+        """Each replica stops its engine (a dead one has none to stop), then the actors go."""
         import ray
 
+        stops = [replica.stop.remote() for replica in self.replicas]
+        ray.wait(stops, num_returns=len(stops), timeout=REPLICA_STOP_TIMEOUT_S)
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
 

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -124,7 +125,9 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
         TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn(),
     ) as progress:
         task = progress.add_task("train", total=emb.train_steps, loss=float("nan"))
-        for _ in range(emb.train_steps):
+        # Off a terminal (a pipe, CI) rich draws the bar once, at the end: say how it goes every tenth of the steps.
+        plain_every = 0 if sys.stdout.isatty() else max(1, emb.train_steps // 10)
+        for step in range(1, emb.train_steps + 1):
             starts = torch.randint(0, max_start, (emb.train_batch_size,), generator=generator)
             batch = torch.stack([train_stream[s : s + seq_len + 1] for s in starts])
             logits = model(input_ids=batch[:, :-1]).logits
@@ -135,6 +138,9 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
             optimizer.step()
             schedule.step()
             progress.update(task, advance=1, loss=loss.item())
+            if plain_every and step % plain_every == 0:
+                print(f"[bootstrap-target] training tiny LM: step {step}/{emb.train_steps}, loss {loss.item():.3f}",
+                      flush=True)
     model.eval()
     return model
 

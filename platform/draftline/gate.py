@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
+from draftline.bench.run import plan_bench
 from draftline.bench.runner import BASELINE, LoadRow, gap_cells
 from draftline.bench.stats import percentile_ratio
 from draftline.config import DraftlineConfig, GateConfig
@@ -217,8 +218,6 @@ def champion_p99_itl(rows: list[LoadRow], candidate_label: str, champion_label: 
 def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_label: Optional[str], log=print,
                dataset_dir: Optional[Path] = None):
     """The paired rounds of the gate with its looks -> (checks, rounds run, bench report of the last look)."""
-    from draftline.bench.cli import plan_bench
-
     plan = plan_bench(cfg, candidates, sweep=False, temperature=0.0, dataset_dir=dataset_dir)
     report: dict = {}
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from draftline.bench.cli import run_bench
+from draftline.bench.run import run_bench
 from draftline.bench.runner import format_table
 from conftest import SMALL_BENCH, make_test_config
 

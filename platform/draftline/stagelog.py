@@ -135,6 +135,10 @@ def stage_log(path: Path, shown: set[str]) -> Iterator[None]:
             stage_err.close_line()
             for handler, stream in saved:
                 handler.setStream(stream)
+            # Handlers made during the stage (Ray Serve's, at its start) are bound to its streams, whose log closes
+            # now: they go back to the streams the stage replaced, where the next stage finds them.
+            for handler in _third_party_handlers((stage_out, stage_err)):
+                handler.setStream(out if handler.stream is stage_out else err)
 
 
 # Standalone commands that start Ray, DeepSpeed or MLflow (or load a target). `run` logs per stage itself; `serve`,

@@ -47,3 +47,27 @@ def test_ray_serves_info_lines_in_the_driver_go_to_the_log_and_its_warnings_stay
                "has no alias 'champion'\n")
     terminal, log = through_stage_stream(started, warning)
     assert terminal == warning and started in log
+
+
+def test_a_handler_made_during_a_stage_outlives_it_without_a_logging_error(tmp_path, capsys):
+    """The demo's serve stage printed two `--- Logging error ---` tracebacks: a logging handler made during an earlier
+    stage (Ray Serve's, bound to the sys.stderr of that moment) kept that stage's stream, whose log was closed."""
+    import logging
+
+    from draftline.stagelog import stage_log
+
+    logger = logging.getLogger("draftline.test.made-in-a-stage")
+    logger.propagate = False
+    with stage_log(tmp_path / "first.log", set()):
+        handler = logging.StreamHandler()  # bound to sys.stderr now: the first stage's stream
+        logger.addHandler(handler)
+    try:
+        with stage_log(tmp_path / "second.log", set()):
+            logger.warning("a warning in the second stage")
+        logger.warning("a warning after both")
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "Logging error" not in err, err
+    assert "a warning in the second stage" in (tmp_path / "second.log").read_text()
+    assert "a warning after both" in err

@@ -178,9 +178,15 @@ def _compile_untimed(objective, batch, head, t2d, device: str) -> None:
     objective.zero_grad(set_to_none=True)
 
 
-def unpack_before(directory: Path) -> Path:
+def unpack_before(directory: Path) -> Path | None:
+    """The platform directory at BEFORE_REV, or None (and why, printed) where this copy has no git history."""
     archive = directory / "before.tar"
-    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), BEFORE_REV, "platform"], check=True)
+    proc = subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), BEFORE_REV, "platform"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"cannot unpack {BEFORE_REV} here ({proc.stderr.strip()[-200:]}): materialised runs skipped; pass "
+              "--before-dir (an unpacked `git archive {BEFORE_REV} platform`)", flush=True)
+        return None
     with tarfile.open(archive) as tar:
         tar.extractall(directory, filter="data")
     return directory / "platform"
@@ -273,29 +279,37 @@ def main() -> int:
     reference = runs[0][0]
     results = []
     with tempfile.TemporaryDirectory(prefix="draftline-bench-mem-") as scratch:
-        needs_before = any(VARIANTS[variant][0] == "before" for variant, _ in runs)
-        before = Path(args.before_dir) if args.before_dir or not needs_before else unpack_before(Path(scratch))
-        platforms = {"before": before, "after": REPO / "platform"}
+        platforms = {"after": REPO / "platform"}
+        if args.before_dir:
+            platforms["before"] = Path(args.before_dir)
+        elif any(VARIANTS[variant][0] == "before" for variant, _ in runs):
+            platforms["before"] = unpack_before(Path(scratch))
         for round_index in range(args.rounds):
             shift = round_index % len(runs)
             for variant, length in runs[shift:] + runs[:shift]:
-                code = VARIANTS[variant][0]
-                result = {"variant": variant, "round": round_index, "reference": reference,
-                          **run_child(platforms[code], args.shape, length, args.device, variant)}
+                platform_dir = platforms.get(VARIANTS[variant][0])
+                outcome = (
+                    run_child(platform_dir, args.shape, length, args.device, variant) if platform_dir
+                    else {"shape": args.shape, "length": length, "error": f"no {BEFORE_REV} code here"}
+                )
+                result = {"variant": variant, "round": round_index, "reference": reference, **outcome}
                 print(json.dumps(result), flush=True)
                 results.append(result)
+                if args.out:  # after every run: a run cut short by a time limit keeps what it measured
+                    write_report(args, results)
 
     print(f"\n{args.shape} drafter {SHAPES[args.shape]}, {TTT_STEPS} TTT steps, fp32, on {args.device}, "
           f"{os.cpu_count()} CPUs, {args.rounds} round(s)")
     print("\n".join(summary(results, args.device)))
-    if args.out:
-        report = {"shape": args.shape, "drafter": SHAPES[args.shape], "ttt_steps": TTT_STEPS, "device": args.device,
-                  "rounds": args.rounds, "runs": results}
-        sys.path.insert(0, str(REPO / "platform"))  # only here: a child imports the variant on its PYTHONPATH
-        from draftline.utils import atomic_write_json
-
-        atomic_write_json(args.out, report)
     return 0
+
+
+def write_report(args, results: list[dict]) -> None:
+    report = {"shape": args.shape, "drafter": SHAPES[args.shape], "ttt_steps": TTT_STEPS, "device": args.device,
+              "rounds": args.rounds, "runs": results}
+    tmp = Path(args.out + ".tmp")  # this process imports no draftline: each child imports its own variant's
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(args.out)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,12 @@ def test_short_two_worker_run_exports_logs_and_registers(ray_cluster, tiny_cfg, 
     # Export and registry carry the best validation checkpoint, not merely the last one.
     assert result.best_step == max(val_history, key=val_history.get)
     assert result.metrics["val_est_accept_len"] == pytest.approx(val_history[result.best_step])
-    for name in ("acc_0", "loss_0", "lr", "tokens_per_s", "val_acc_0", "val_loss_0"):
+    for name in ("acc_0", "loss_0", "lr", "tokens_per_s", "val_acc_0", "val_loss_0", "padding_fraction",
+                 "padding_fraction_unpacked", "run_padding_fraction", "run_padding_fraction_unpacked"):
         assert client.get_metric_history(result.run_id, name), f"metric {name} was not logged"
+    padding = {name: run.data.metrics[f"run_{name}"] for name in ("padding_fraction", "padding_fraction_unpacked")}
+    # The test config packs: the same samples with less padding than one sample a row.
+    assert 0 <= padding["padding_fraction"] < padding["padding_fraction_unpacked"] < 1
     artifacts = {a.path for a in client.list_artifacts(result.run_id, "drafter")}
     assert {"drafter/config.json", "drafter/model.safetensors", "drafter/draftline.json"} <= artifacts
 

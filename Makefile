@@ -16,8 +16,10 @@ PYTEST_PARALLEL := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS)
 
 # SGLang's own argument code (CPU, no GPU packages), for check-sglang-args and the SGLang tests.
 SGLANG_ROOT ?= .sglang
+# speculators' and SpecForge's own code (overlays run by .venv's interpreter), for the tests that load exports with it.
+PEERS_ROOT ?= .peers
 
-.PHONY: setup setup-vllm sglang demo serve test test-fast bench clean
+.PHONY: setup setup-vllm sglang peers demo serve test test-unit test-integration test-e2e bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +30,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PIP) install -q -r requirements.txt
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation $(DEEPSPEED)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	# DeepSpeed's CPU shared-memory op, built now into this installation's own directory (draftline.train.deepspeed_ops)
+	$(PY) -m draftline.train.deepspeed_ops
 	touch $@
 
 setup-vllm: $(VLLM_VENV)/.installed
@@ -42,6 +46,11 @@ $(SGLANG_ROOT)/.installed: $(VENV)/.installed scripts/setup_sglang_venv.sh scrip
 	SGLANG_ROOT=$(SGLANG_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_sglang_venv.sh
 	touch $@
 
+peers: $(PEERS_ROOT)/.installed
+
+$(PEERS_ROOT)/.installed: $(VENV)/.installed scripts/setup_peer_envs.sh
+	PEERS_ROOT=$(PEERS_ROOT) DRAFTLINE_PYTHON=$(PY) bash scripts/setup_peer_envs.sh
+
 demo: setup
 	$(VENV)/bin/draftline run --config configs/tiny-cpu.yaml
 
@@ -49,11 +58,22 @@ demo: setup
 serve: setup
 	$(VENV)/bin/draftline serve --config configs/tiny-cpu.yaml
 
-test: setup setup-vllm sglang
-	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+# Tiers by directory (docs/testing.md): unit (no Ray, no servers: the edit loop), integration (a Ray cluster, Serve,
+# MLflow, vLLM, SGLang, speculators and SpecForge code), e2e (whole pipelines, faults, multi-node). `make test` runs
+# all three.
+PYTEST := $(PY) -m pytest -q -rs $(PYTEST_PARALLEL)
 
-test-fast: setup setup-vllm sglang
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+test: setup setup-vllm sglang peers
+	$(PYTEST) --durations=15 $(PYTEST_ARGS) tests/e2e tests/integration tests/unit
+
+test-unit: setup
+	$(PYTEST) $(PYTEST_ARGS) tests/unit
+
+test-integration: setup setup-vllm sglang peers
+	$(PYTEST) $(PYTEST_ARGS) tests/integration
+
+test-e2e: setup setup-vllm sglang peers
+	$(PYTEST) $(PYTEST_ARGS) tests/e2e
 
 bench: setup
 	$(PY) benchmarks/extract.py

@@ -60,7 +60,7 @@ def val_metrics(model, drafter, samples: list[dict], aux_layer_ids: list[int], n
 
 def measured_accept_len(cfg, target_dir: Path, drafter_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> float:
     from draftline.engines.base import SamplingParams, SpecStats
-    from draftline.engines.reference import ReferenceEngine
+    from draftline.engines.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(cfg, target_dir, drafter_dir=drafter_dir)
     engine.load()

@@ -46,7 +46,8 @@ def bare_objective_in_ray(cfg, hidden_dir: Path, dataset_dir: Path, target_dir: 
         from draftline.data.prepare import load_vocab
         from draftline.drafter.model import DrafterConfig
         from draftline.extract.shards import HiddenStateShards
-        from draftline.train.data import collate, load_target_head, sample_indices_for_step
+        from draftline.train.data import collate, load_target_head
+        from draftline.train.order import sample_indices_for_step
         from draftline.train.loop import TTTObjective, build_drafter, objective_inputs
 
         task_cfg = DraftlineConfig.model_validate(config_json)
@@ -60,7 +61,7 @@ def bare_objective_in_ray(cfg, hidden_dir: Path, dataset_dir: Path, target_dir: 
             AutoConfig.from_pretrained(target_dir), int(d2t.shape[0]), shards.aux_layer_ids,
             task_cfg.train.num_attention_heads, task_cfg.train.intermediate_size,
         )
-        drafter = build_drafter({"drafter_config": drafter_config.to_dict()}, head, d2t, t2d)
+        drafter = build_drafter(drafter_config, head, d2t, t2d)
         objective = TTTObjective(drafter, task_cfg.train.ttt_steps, task_cfg.train.ttt_decay, task_cfg.train.loss)
         optimizer = torch.optim.AdamW(objective.parameters(), lr=task_cfg.train.lr)
         tokens_per_s = []

@@ -105,7 +105,7 @@ def objective_run(cfg, samples, head_cpu, d2t, t2d, drafter_config, device: str,
 
     torch.manual_seed(cfg.seed)
     head = head_cpu.to(device, dtype)
-    drafter = build_drafter({"drafter_config": drafter_config.to_dict()}, head_cpu, d2t, t2d)
+    drafter = build_drafter(drafter_config, head_cpu, d2t, t2d)
     drafter = drafter.to(device) if deepspeed_train else drafter.to(device, dtype)  # DeepSpeed casts it itself
     train = cfg.train
     objective = objective_for(drafter, train)

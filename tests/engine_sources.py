@@ -1,8 +1,10 @@
-"""The engines' own source, fetched with pip into the repo's .whl/ (git-ignored), so tests run their real code."""
+"""The engines' and peer tools' own source (SGLang wheels fetched into .whl/, speculators and SpecForge built into
+.peers/ by `make peers`; both git-ignored), so tests run their real code."""
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import zipfile
@@ -11,6 +13,19 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 WHEEL_DIR = REPO / ".whl"
+# vLLM's CPU build (`make setup-vllm`).
+VLLM_PYTHON = os.environ.get("DRAFTLINE_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
+# The peer tools' overlays (scripts/setup_peer_envs.sh, `make peers`): run by this interpreter with PYTHONPATH=ROOT/NAME.
+PEERS_ROOT = Path(os.environ.get("DRAFTLINE_PEERS_ROOT", str(REPO / ".peers")))
+
+
+def peer_env(name: str) -> dict[str, str]:
+    """The environment that runs a peer tool's own code (speculators, specforge) from its overlay."""
+    overlay = PEERS_ROOT / name
+    if not (overlay / ".installed").is_file():
+        raise FileNotFoundError(f"{overlay} is not built: run `make peers` (scripts/setup_peer_envs.sh)")
+    # Compiled paths (torch.compile on their rotary/forward) need a C++ toolchain at first call; the maths is the same eager.
+    return {**os.environ, "PYTHONPATH": str(overlay), "TORCHDYNAMO_DISABLE": "1"}
 
 
 def sglang_wheel(version: str) -> Path:

@@ -157,7 +157,7 @@ def start_multinode_cluster(worker_nodes: int = 2, num_cpus: int = 1, head_cpus:
         connect_local_cluster,
         local_auth_env,
     )
-    from draftline.serving.proxy_replay import CALLBACK_ENV
+    from draftline.raycluster import SERVE_PROXY_CALLBACK_ENV
     from draftline.utils import free_port
 
     if ray.is_initialized():
@@ -172,7 +172,7 @@ def start_multinode_cluster(worker_nodes: int = 2, num_cpus: int = 1, head_cpus:
         # (serving/proxy_replay.py) and no serving API token in Ray's processes.
         multi.hidden_env = (DraftlineConfig().serve.auth_token_env,)
         with _environment_for_ray_processes(hidden=multi.hidden_env):
-            multi.node_env = {name: os.environ[name] for name in ("RAY_GCS_SERVER_PORT", "RAY_ADDRESS", CALLBACK_ENV)}
+            multi.node_env = {name: os.environ[name] for name in ("RAY_GCS_SERVER_PORT", "RAY_ADDRESS", SERVE_PROXY_CALLBACK_ENV)}
         with multi._node_environment():
             # The head's other fixed default ports (dashboard 8265, agent 52365) may be another Ray's on this machine.
             node = cluster.add_node(num_cpus=head_cpus, resources={f"node-{HEAD}": 1}, node_ip_address="127.0.0.1",
@@ -214,7 +214,7 @@ def train_worker_actors(detail: bool = True) -> list:
 
 @dataclass
 class HeldWorkerKill:
-    """A worker node killed while a worker of a Ray Train group held at a fault hook (utils.FAULT_ACTION_ENV=hold)."""
+    """A worker node killed while a worker of a Ray Train group held at a fault hook (draftline.faults, action "hold")."""
 
     kill: NodeKill
     held_on: str  # the node the holding worker ran on

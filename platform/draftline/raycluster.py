@@ -92,6 +92,11 @@ def code_runtime_env() -> dict:
 
 _ray_mode: str | None = None
 
+# Serve's HTTP proxy imports its middlewares from the callback this variable names, in its own process; every local
+# cluster sets it so whichever stage starts the cluster, the serve stage's proxy replays (serving/proxy_replay.py).
+SERVE_PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+SERVE_PROXY_CALLBACK = "draftline.serving.proxy_replay.middlewares"
+
 
 @contextlib.contextmanager
 def _environment_for_ray_processes(hidden: tuple[str, ...]):
@@ -101,12 +106,10 @@ def _environment_for_ray_processes(hidden: tuple[str, ...]):
 
     Also set: Serve's proxy callback, so the HTTP proxy sends a request again when its ingress replica died before
     answering (serving/proxy_replay.py); a callback the user set wins."""
-    from draftline.serving.proxy_replay import CALLBACK, CALLBACK_ENV
-
-    with _pinned_local_address() as address, environment_restored(CALLBACK_ENV, *hidden):
+    with _pinned_local_address() as address, environment_restored(SERVE_PROXY_CALLBACK_ENV, *hidden):
         for name in hidden:
             os.environ.pop(name, None)
-        os.environ.setdefault(CALLBACK_ENV, CALLBACK)
+        os.environ.setdefault(SERVE_PROXY_CALLBACK_ENV, SERVE_PROXY_CALLBACK)
         yield address
 
 

@@ -13,15 +13,17 @@ Serving resolves `models:/<name>@champion` through `resolve_alias`, which return
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import unquote, urlparse
 
-from draftline.config import DraftlineConfig
-from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_TAG, mlflow_client
-from draftline.utils import stable_hash
+from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.drafter.export import META_FILE, WEIGHTS_FILE
+from draftline.tracking import BENCH_BEST_TAG, GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_TAG, mlflow_client
+from draftline.utils import sha256_file, stable_hash
 
 CHAMPION = "champion"
 PREVIOUS = "previous"
@@ -146,6 +148,21 @@ def alias_version_number(cfg: DraftlineConfig, alias: str = CHAMPION) -> Optiona
     return None if mv is None else str(mv.version)
 
 
+def measured_speculative(resolved: ResolvedVersion, concurrency: int, base: SpeculativeConfig) -> Optional[SpeculativeConfig]:
+    """The speculative settings `draftline bench --sweep` measured fastest for this version: its entry for the highest
+    benched concurrency not above `concurrency` (else the lowest benched one); None when no sweep was stored."""
+    stored = resolved.tags.get(BENCH_BEST_TAG)
+    if not stored:
+        return None
+    best = {int(level): entry for level, entry in json.loads(stored).items()}
+    if not best:
+        return None
+    level = max([lv for lv in best if lv <= concurrency], default=min(best))
+    entry = best[level]
+    return SpeculativeConfig(algorithm=base.algorithm, num_steps=entry["num_steps"], eagle_topk=entry["eagle_topk"],
+                             num_draft_tokens=entry["num_draft_tokens"])
+
+
 def latest_version(cfg: DraftlineConfig) -> str:
     client = mlflow_client(cfg)
     name = cfg.registered_model_name
@@ -159,9 +176,6 @@ def verify_export(resolved: ResolvedVersion) -> None:
     """Check a version's files where they are read: present, parseable, the weights complete and, where the export
     recorded it, their sha256. Raises RegistryError naming the file and the fix."""
     import json
-
-    from draftline.drafter.export import META_FILE, WEIGHTS_FILE
-    from draftline.utils import sha256_file
 
     where = f"model {resolved.name} version {resolved.version} ({resolved.export_dir})"
     fix = "register a fresh export of that run (`draftline export` then `draftline train` registers it) and gate it"

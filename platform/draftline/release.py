@@ -29,6 +29,8 @@ from draftline.registry import (
     rollback,
     rollback_candidate,
 )
+from draftline.serving.control import ServingError, roll_to, serving_now
+from draftline.serving.served_model import resolve_served_model, served_version
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +50,9 @@ def rollback_and_roll(cfg: DraftlineConfig) -> str:
 
 
 def _transaction(cfg: DraftlineConfig, wanted: ResolvedVersion, move_aliases: Callable[[], str]) -> str:
-    from draftline.serving.control import ServingError, roll_to, serving_now
-    from draftline.serving.served_model import ServedModel
-
     aliases_before = (alias_version_number(cfg, CHAMPION), alias_version_number(cfg, PREVIOUS))
     before = serving_now(cfg)
-    target = ServedModel(registered_model=wanted.name, model_version=wanted.version, export_dir=str(wanted.export_dir))
+    target = served_version(cfg, wanted)
     rolled = before is not None and before != target
     if rolled:
         try:
@@ -76,8 +75,6 @@ def _transaction(cfg: DraftlineConfig, wanted: ResolvedVersion, move_aliases: Ca
 
 
 def _restore_serving(cfg: DraftlineConfig, before) -> str:
-    from draftline.serving.control import ServingError, roll_to
-
     try:
         roll_to(cfg, before)
     except ServingError as err:
@@ -87,9 +84,6 @@ def _restore_serving(cfg: DraftlineConfig, before) -> str:
 
 def sync_serving_to_champion(cfg: DraftlineConfig) -> Optional[str]:
     """`draftline serve --roll`: bring a running app to the current champion; None when nothing serves."""
-    from draftline.serving.control import roll_to, serving_now
-    from draftline.serving.served_model import resolve_served_model
-
     if serving_now(cfg) is None:
         return None
     served = roll_to(cfg, resolve_served_model(cfg))

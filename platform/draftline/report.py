@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from draftline.config import DraftlineConfig
+from draftline.drafter.ttt import est_accept_len
+from draftline.tracking import mlflow_client
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -30,8 +32,6 @@ def serving_line(state: dict) -> str:
 
 
 def report_rows(summary: dict[str, dict], model_name: str, served_steps: int) -> list[tuple[str, str]]:
-    from draftline.drafter.ttt import est_accept_len
-
     out = {name: s.get("outputs", {}) for name, s in summary.items()}
     rows: list[tuple[str, str]] = []
     boot = out.get("bootstrap")
@@ -74,8 +74,6 @@ def _plots(cfg: DraftlineConfig, summary: dict[str, dict], out_dir: Path) -> lis
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from draftline.tracking import mlflow_client
 
     written: list[Path] = []
     train = summary.get("train", {}).get("outputs", {})

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
+from draftline.config import load_config
+
 THIRD_PARTY_LINE = re.compile(
     r"(\x1b\[[0-9;]*m)?\(((\w[\w.:-]*\s)?pid=\d+|raylet|autoscaler|gcs_server)"  # forwarded by Ray: (RayTrainWorker pid=12)
     r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(DEBUG|INFO|WARNING|ERROR)\s+\S+\.py:\d+ -- "  # Ray's logger
@@ -128,7 +130,6 @@ def command_log_path(command: str, args: Any) -> Path | None:
     log; else None (the command then reports a bad config or data_dir itself, in one line)."""
     if command not in LOGGED_COMMANDS or not hasattr(args, "config"):
         return None
-    from draftline.config import load_config
 
     try:
         cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))

@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -95,19 +96,53 @@ def actor_on_driver_node(actor_class: type, *args: Any):
     return ray.remote(num_cpus=0, scheduling_strategy=on_driver_node)(actor_class).remote(*args)
 
 
+class LockTimeoutError(TimeoutError):
+    """A lock another process held for longer than the caller's deadline; the message names the lock and its holder."""
+
+
+# A cache entry's builder (a twin's training included) finishes well inside this; past it the holder is stuck.
+BUILD_LOCK_DEADLINE_S = 3600.0
+
+
 @contextmanager
-def build_lock(out_dir: str | os.PathLike) -> Iterator[None]:
+def file_lock(path: str | os.PathLike, deadline_s: float, waiting_for: str) -> Iterator[None]:
+    """Hold an exclusive fcntl lock on `path` (created if missing). The kernel releases it when its holder dies, however
+    it dies, so a lock is never left behind; the holder's pid is written into the file for the error a waiter raises
+    after `deadline_s` ("waited ... for <waiting_for>: held by pid N")."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    give_up_at = time.monotonic() + deadline_s
+    with open(path, "a+") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= give_up_at:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    raise LockTimeoutError(
+                        f"waited {deadline_s:g} s for {waiting_for}: the lock {path} is held by pid {holder}; "
+                        "if that process is stuck, stop it and rerun") from None
+                time.sleep(0.2)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def build_lock(out_dir: str | os.PathLike, deadline_s: float = BUILD_LOCK_DEADLINE_S) -> Iterator[None]:
     """Hold the lock of a cache entry (a built target, a prepared dataset, a fitted drafter) while checking and building
     it: a second draftline process on the same data_dir (another run, a parallel test) waits, then finds it built,
     instead of building it too and replacing the directory under the first one's readers. `.<name>.lock` beside it."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with file_lock(out_dir.parent / f".{out_dir.name}.lock", deadline_s, f"the build of {out_dir}"):
+        yield
 
 
 def stable_hash(*parts: Any) -> str:
@@ -204,29 +239,3 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
-
-
-# Test hooks (tests/e2e): what a worker does when the fault a test set up fires. "exit" (the default): it dies like
-# a SIGKILLed process. "hold": it records its Ray node id in the marker file and waits to be killed with its whole
-# node (tests/e2e/test_multinode.py kills that node, or the node of another worker of the group).
-FAULT_ACTION_ENV = "DRAFTLINE_TEST_FAULT_ACTION"
-FAULT_ACTIONS = ("exit", "hold")
-
-
-def fault_action_from_env() -> str:
-    action = os.environ.get(FAULT_ACTION_ENV) or "exit"
-    if action not in FAULT_ACTIONS:
-        raise RuntimeError(f"{FAULT_ACTION_ENV}={action!r}: use one of {', '.join(FAULT_ACTIONS)}")
-    return action
-
-
-def hold_until_killed(marker: str | os.PathLike, what: str) -> None:
-    """Append `what` and this worker's Ray node id to `marker` (one line), then wait to be killed."""
-    import time
-
-    import ray
-
-    with open(marker, "a") as handle:
-        handle.write(f"{what} on node {ray.get_runtime_context().get_node_id()}\n")
-    while True:
-        time.sleep(3600)

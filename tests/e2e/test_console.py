@@ -12,7 +12,6 @@ import pytest
 
 from conftest import REPO, TEST_CONFIG, config_overrides, make_test_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.mark.parametrize("command", ["run", "extract"])

@@ -11,20 +11,19 @@ from pathlib import Path
 import pytest
 
 from draftline.data.prepare import load_split
-from draftline.extract.run import FAULT_AFTER_SHARDS_ENV, FAULT_MARKER_ENV, extract_with_stats
+from draftline import faults
+from draftline.extract.run import extract_with_stats
 from draftline.extract.shards import HiddenStateShards
 from draftline.utils import StorageFullError
 from tests.conftest import make_test_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 SHARDS_BEFORE_DEATH = 3
 
 
 def test_killed_worker_resumes_and_every_sample_is_written_once(ray_cluster, tiny_dataset_dir, tmp_path, monkeypatch):
     marker = tmp_path / "worker-died"
-    monkeypatch.setenv(FAULT_AFTER_SHARDS_ENV, str(SHARDS_BEFORE_DEATH))
-    monkeypatch.setenv(FAULT_MARKER_ENV, str(marker))
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("extract.shards", SHARDS_BEFORE_DEATH, str(marker))))
     cfg = make_test_config(extra=[
         f"extract.storage_uri={tmp_path / 'hidden'}",
         "extract.num_workers=2",

@@ -3,7 +3,7 @@ token auth (tests/multinode_helpers.py). Extraction and training run as Ray Trai
 whole worker node is SIGKILLed mid-extraction and mid-training, and the node of one of two serving replicas under
 load. Real Ray, DeepSpeed, MLflow and HTTP.
 
-A worker of the group holds at the fault hook (DRAFTLINE_TEST_FAULT_ACTION=hold) so the node dies at a known point:
+A worker of the group holds at the fault hook (draftline.faults, action "hold") so the node dies at a known point:
 after a known number of shards, after a known committed checkpoint. Each node has 1 CPU and a group has 2 workers,
 so the two workers run on two different nodes and the restarted group fits on the two that survive.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from draftline.data.prepare import load_split
-from draftline.extract.run import FAULT_AFTER_SHARDS_ENV, FAULT_MARKER_ENV, extract_with_stats
+from draftline import faults
+from draftline.extract.run import extract_with_stats
 from draftline.extract.shards import HiddenStateShards, num_shards
-from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
 from draftline.train.run import train
-from draftline.utils import FAULT_ACTION_ENV, free_port
+from draftline.utils import free_port
 from tests.conftest import make_test_config, start_session_ray
 from tests.multinode_helpers import (
     HEAD,
@@ -36,7 +36,7 @@ from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
 # One cluster for the module (11 s to start at load ~4); each scenario kills one worker node and the next one
 # gets a fresh worker node in its place.
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
 
 WORKER_NODES = 2
 
@@ -94,9 +94,7 @@ SHARDS_BEFORE_HOLD = 2
 def test_extraction_finishes_after_a_worker_node_dies(multinode, tiny_dataset_dir, tmp_path, monkeypatch):
     cluster, earlier = multinode
     marker = tmp_path / "worker-held"
-    monkeypatch.setenv(FAULT_AFTER_SHARDS_ENV, str(SHARDS_BEFORE_HOLD))
-    monkeypatch.setenv(FAULT_MARKER_ENV, str(marker))
-    monkeypatch.setenv(FAULT_ACTION_ENV, "hold")
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("extract.shards", SHARDS_BEFORE_HOLD, str(marker), "hold")))
     hidden = tmp_path / "hidden"
     cfg = make_test_config(extra=[
         f"extract.storage_uri={hidden}", "extract.num_workers=2", "extract.samples_per_shard=8",
@@ -146,9 +144,7 @@ def test_training_resumes_on_the_surviving_nodes(multinode, tiny_cfg, tiny_targe
     cluster, earlier = multinode
     hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)  # cached by hash after the first run
     marker = tmp_path / "rank-held"
-    monkeypatch.setenv(KILL_AT_STEP_ENV, str(HOLD_AT_STEP))
-    monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
-    monkeypatch.setenv(FAULT_ACTION_ENV, "hold")
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("train.step", HOLD_AT_STEP, str(marker), "hold")))
     cfg = short_run_config(tmp_path, [f"train.max_steps={MAX_STEPS}", "train.max_failures=2"])
     killer = kill_node_of_held_worker(cluster, marker)
     result = train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)

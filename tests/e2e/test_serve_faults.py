@@ -10,13 +10,11 @@ import os
 import signal
 import time
 
-import pytest
 
 from conftest import free_port
 from registry_helpers import mlflow_test_config
 from serve_helpers import outcomes, start_serving, stop_serving, under_load
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def _wait_for_replacement(listing, victim: dict, wanted: int, timeout_s: float = 600) -> float:

@@ -23,7 +23,6 @@ from draftline.tracking import GATE_TAG
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
 from serve_helpers import CHAT_BODY as BODY, outcomes, start_serving, stop_serving, under_load
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 CLIENTS = 4
 MAX_LOAD_S = 40.0

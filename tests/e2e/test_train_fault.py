@@ -10,14 +10,13 @@ from collections import Counter
 
 import pytest
 
+from draftline import faults
 from draftline.extract.shards import HiddenStateShards
-from draftline.train.data import sample_indices_for_step
-from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
+from draftline.train.order import sample_indices_for_step
 from draftline.train.run import train
 from draftline.utils import StorageFullError
 from tests.train_helpers import hidden_states_of_test_target, short_run_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 MAX_STEPS = 8
 KILL_AT_STEP = 5  # after the step-3 checkpoint, before the step-6 one
@@ -37,8 +36,7 @@ def test_killed_worker_resumes_from_checkpoint(ray_cluster, tiny_cfg, tiny_targe
     from mlflow import MlflowClient
 
     marker = tmp_path / "worker-killed"
-    monkeypatch.setenv(KILL_AT_STEP_ENV, str(KILL_AT_STEP))
-    monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("train.step", KILL_AT_STEP, str(marker))))
     hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)
     cfg = short_run_config(tmp_path, [f"train.max_steps={MAX_STEPS}", "train.max_failures=2"])
     result = train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)

@@ -14,16 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from draftline.extract.online import FAULT_AFTER_BATCHES_ENV, FAULT_MARKER_ENV
+from draftline import faults
 from draftline.extract.shards import stored_bytes_per_token
-from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
 from draftline.train.run import train
-from tests.train_helpers import hidden_states_of_test_target, short_run_config
+from tests.train_helpers import SHORT_RUN_STEPS, short_run_config
 
 # Per test (setup included): the offline fixture alone took over 900 s at load 20-100 on the shared 2-core box.
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
 
-MAX_STEPS = 6  # short_run_config validates and checkpoints every 3 steps: at 3 and 6
+MAX_STEPS = SHORT_RUN_STEPS  # short_run_config validates and checkpoints every 3 steps: at 3 and 6
 VAL_STEPS = [3, 6]
 KILL_AT_STEP = 5  # after the step-3 checkpoint, before the step-6 one
 # Each rank's stream: 6 steps x 4 samples + 2 x 10 val samples = 44 rows = 6 target batches of 8; the actor dies
@@ -46,11 +45,9 @@ def history(cfg, run_id: str, metric: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def offline_run(ray_cluster, tiny_cfg, tiny_target_dir, tiny_dataset_dir, tmp_path_factory):
-    """The reference: the same run trained on shards (extracted once per test data dir, cached by hash)."""
-    hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)
-    cfg = short_run_config(tmp_path_factory.mktemp("offline"), [f"train.max_steps={MAX_STEPS}"])
-    result = train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)
+def offline_run(short_offline_run):
+    """The reference: the same run trained on shards (conftest.short_offline_run, shared with other tests)."""
+    cfg, _, result = short_offline_run
     return cfg, result
 
 
@@ -73,8 +70,7 @@ def shard_files(root: Path) -> list[Path]:
 def test_online_run_with_a_killed_target_actor_has_the_offline_losses_and_writes_no_shards(
         offline_run, tiny_target_dir, tiny_dataset_dir, tmp_path, monkeypatch, capsys):
     marker = tmp_path / "target-actor-killed"
-    monkeypatch.setenv(FAULT_AFTER_BATCHES_ENV, str(ACTOR_DIES_AFTER_BATCHES))
-    monkeypatch.setenv(FAULT_MARKER_ENV, str(marker))
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("online.batches", ACTOR_DIES_AFTER_BATCHES, str(marker))))
     # No training restart allowed: a stream that failed on the dead actor would otherwise be rerun by Ray Train from
     # scratch (no checkpoint yet) and the losses would still match.
     cfg = short_run_config(tmp_path / "run", [*ONLINE, "train.max_failures=0"])
@@ -107,8 +103,7 @@ def test_a_killed_training_worker_resumes_the_stream_where_its_checkpoint_left_i
     from mlflow import MlflowClient
 
     marker = tmp_path / "worker-killed"
-    monkeypatch.setenv(KILL_AT_STEP_ENV, str(KILL_AT_STEP))
-    monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
+    monkeypatch.setenv(faults.ENV, faults.encode(faults.Fault("train.step", KILL_AT_STEP, str(marker))))
     cfg = short_run_config(tmp_path / "run", [*ONLINE, "train.max_failures=2"])
     result = train(cfg, None, tiny_dataset_dir, tiny_target_dir)
 

@@ -4,6 +4,7 @@
     draftline bench --version 3 --sweep  # try bench.sweep_grid, store the best config per concurrency on version 3
     draftline bench --drafter DIR        # an export directory that is not registered
     draftline bench --engine vllm        # the same through vLLM (engine.backend), e.g. its CPU build
+    draftline bench --prompts mt-bench   # MT-bench's 80 questions, both turns (turn 2 after the target's own answer)
     draftline bench --concurrency 1,4 bench.rounds=3  # levels as one comma-separated value; overrides may follow
 
 The target-only engine (same backend, no speculation) runs first on the same prompts; every speculative
@@ -20,10 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftline.bench.prompts import BenchPrompt
+from draftline.bench.prompts import BenchPrompt, load_bench_prompts
 from draftline.bench.runner import BASELINE, EngineSpec, LoadRow, PairedRounds, format_table, machine_load
+from draftline.cli import add_config_args, config_from_args
 from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.data.prepare import prepare
+from draftline.engines import add_engine_arg, with_engine_arg
 from draftline.engines.base import SamplingParams
+from draftline.registry import RegistryError, get_version, latest_version
+from draftline.target.load import resolve_target_dir
+from draftline.tracking import BENCH_BEST_TAG, mlflow_client
 
 
 def speculative_grid(cfg: DraftlineConfig, sweep: bool) -> list[SpeculativeConfig]:
@@ -91,15 +98,10 @@ def plan_bench(
     `bench.prompts`, else the bench split of `dataset_dir`, else of the dataset `prepare` makes for cfg."""
     from transformers import AutoTokenizer
 
-    from draftline.bench.prompts import load_bench_prompts
-    from draftline.target.load import resolve_target_dir
-
     target_dir = resolve_target_dir(cfg)
     if not cfg.bench.prompts and dataset_dir is None:
-        from draftline.data.prepare import prepare
-
         dataset_dir = prepare(cfg, target_dir)
-    prompts = load_bench_prompts(cfg, AutoTokenizer.from_pretrained(target_dir), dataset_dir)
+    prompts = load_bench_prompts(cfg, AutoTokenizer.from_pretrained(target_dir), dataset_dir, target_dir)
     engines = [EngineSpec(BASELINE)]
     for label, drafter_dir, version in candidates:
         for spec in speculative_grid(cfg, sweep):
@@ -141,8 +143,6 @@ def store_bench_on_version(cfg: DraftlineConfig, version: str, report: dict) -> 
     """Log the report as an MLflow run linked to the version; a sweep's best config becomes a version tag."""
     import mlflow
 
-    from draftline.tracking import BENCH_BEST_TAG, mlflow_client
-
     client = mlflow_client(cfg)
     name = cfg.registered_model_name
     with mlflow.start_run(run_name=f"bench-{name}-v{version}") as run:
@@ -173,9 +173,6 @@ def concurrency_levels(value: str) -> list[int]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from draftline.cli import add_config_args
-    from draftline.engines import add_engine_arg
-
     parser = subparsers.add_parser("bench", help="benchmark a drafter against the target alone", description=__doc__)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--version", help="registered drafter version (default: the latest)")
@@ -186,7 +183,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="override bench.concurrency, e.g. 1,4")
     parser.add_argument("--max-new-tokens", type=int, help="override bench.max_new_tokens")
     parser.add_argument("--num-prompts", type=int, help="override bench.num_prompts")
-    parser.add_argument("--prompts", help="jsonl prompt file (override bench.prompts)")
+    parser.add_argument("--prompts", help="a benchmark: a registered name (mt-bench) or a jsonl of prompts or "
+                        "conversations (override bench.prompts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, which also checks losslessness")
     parser.add_argument("--out", help="write the JSON report here")
     add_engine_arg(parser)
@@ -210,11 +208,6 @@ def apply_bench_overrides(cfg: DraftlineConfig, args: argparse.Namespace) -> Dra
 
 
 def _bench_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-    from draftline.registry import RegistryError, get_version, latest_version
-
-    from draftline.engines import with_engine_arg
-
     cfg = apply_bench_overrides(with_engine_arg(config_from_args(args), args), args)
     version = None
     try:

@@ -1,19 +1,36 @@
-"""Bench prompt sets: the bench split of the prepared dataset, or a jsonl file of prompts.
+"""Bench prompt sets: the bench split of the prepared dataset, or a benchmark (`bench.prompts`: a registered name such
+as `mt-bench`, or any jsonl of prompts or conversations), read by the one benchmark loader (draftline.data.benchmarks).
 
-A jsonl line may hold (first match wins):
-  {"input_ids": [...]}                         token ids, used as they are
-  {"messages": [{"role": ..., "content": ...}]} OpenAI messages; a trailing assistant turn is dropped
-  {"turns": ["...", ...]}                      MT-bench style; the first turn becomes a user message
-  {"prompt": "..."}                            a single user message
-Messages are rendered with the target's chat template and a generation prompt.
+A benchmark conversation gives one bench prompt per user turn, rendered with the target's chat template and a
+generation prompt. Replies written in the file are not used: turn k is asked after the target's own greedy answers
+to turns 1..k-1 (what a user talking to the target would have seen), generated once by the target alone on the
+reference engine (so every engine is benched on the same prompts) and cached under `<data_dir>/benchmarks/`. `bench.num_prompts` takes the first N conversations,
+every turn of each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from draftline.config import DraftlineConfig
+from draftline.data.benchmarks import Benchmark, load_benchmark
+from draftline.data.contamination import user_turns
+from draftline.data.conversations import Conversation
+from draftline.data.prepare import load_split
+from draftline.engines import make_engine
+from draftline.regenerate.run import TurnSettings, regenerate_conversation, turn_settings
+from draftline.target.load import target_fingerprint
+from draftline.utils import atomic_write_text, build_lock, stable_hash
+
+ANSWERS_IN_FLIGHT = 8
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
 
 
 @dataclass
@@ -28,54 +45,98 @@ def prompt_from_sample(sample: dict) -> list[int]:
     return sample["input_ids"][: mask.index(1)] if 1 in mask else list(sample["input_ids"])
 
 
-def _render(tokenizer, messages: list[dict]) -> list[int]:
-    if messages and messages[-1].get("role") == "assistant":
-        messages = messages[:-1]
+def render(tokenizer, messages: list[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def prompt_from_record(record: dict, tokenizer, where: str) -> list[int]:
-    if "input_ids" in record:
-        return [int(t) for t in record["input_ids"]]
-    if "messages" in record:
-        return _render(tokenizer, record["messages"])
-    if "turns" in record and record["turns"]:
-        return _render(tokenizer, [{"role": "user", "content": str(record["turns"][0])}])
-    if "prompt" in record:
-        return _render(tokenizer, [{"role": "user", "content": str(record["prompt"])}])
-    raise ValueError(f"{where}: a bench prompt needs one of input_ids, messages, turns or prompt; got {sorted(record)}")
+def earlier_turns(messages: list[dict]) -> list[dict]:
+    """The conversation before its last user turn, replies dropped (the target writes its own)."""
+    last_user = max(i for i, _ in user_turns(messages))
+    return [m for m in messages[:last_user] if m["role"] != "assistant"]
 
 
-def load_prompt_file(path: str | Path, tokenizer, limit: Optional[int] = None) -> list[BenchPrompt]:
+def _answers_path(cfg: DraftlineConfig, benchmark: Benchmark, target_dir: Path, conversations: list[Conversation]) -> Path:
+    key = stable_hash(benchmark.sha256, [c.id for c in conversations], target_fingerprint(target_dir),
+                      cfg.bench.max_new_tokens, cfg.target.dtype)[:16]
+    name = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in Path(benchmark.name).stem)
+    return cfg.data_path("benchmarks", f"{name}-answers-{key}.jsonl")
+
+
+async def _answer_all(cfg: DraftlineConfig, target_dir: Path, tokenizer, conversations: list[Conversation],
+                      settings: TurnSettings) -> list[dict]:
+    engine = make_engine(cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"backend": "reference"})}),
+                         target_dir)
+    await engine.start()
+    in_flight = asyncio.Semaphore(ANSWERS_IN_FLIGHT)
+
+    async def one(conv: Conversation) -> dict:
+        async with in_flight:
+            return await regenerate_conversation(engine, tokenizer, {"id": conv.id, "messages": earlier_turns(conv.messages)},
+                                                 settings)
+
+    try:
+        return await asyncio.gather(*(one(c) for c in conversations))
+    finally:
+        await engine.stop()
+
+
+def target_histories(cfg: DraftlineConfig, benchmark: Benchmark, target_dir: Path, tokenizer,
+                     conversations: list[Conversation]) -> dict[str, list[dict]]:
+    """conversation id -> its turns before the last user turn, answered by the target alone (greedy; cached)."""
+    multi = [c for c in conversations if sum(1 for _ in user_turns(c.messages)) > 1]
+    if not multi:
+        return {}
+    path = _answers_path(cfg, benchmark, target_dir, multi)
+    with build_lock(path):
+        if not path.exists():
+            settings = turn_settings(cfg, tokenizer)
+            settings = TurnSettings(0.0, 1.0, cfg.bench.max_new_tokens, cfg.seed, settings.stop_token_ids,
+                                    settings.end_of_turn, settings.reasoning_tags)
+            _log(f"{benchmark.name}: the target answers the earlier turns of {len(multi)} conversations "
+                 f"(reference engine, greedy, at most {cfg.bench.max_new_tokens} tokens each)")
+            records = asyncio.run(_answer_all(cfg, target_dir, tokenizer, multi, settings))
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["id"]: r["messages"] for r in records}
+
+
+def conversation_prompts(cfg: DraftlineConfig, benchmark: Benchmark, target_dir: Path, tokenizer,
+                         limit: Optional[int] = None) -> list[BenchPrompt]:
+    """One prompt per user turn of the first `limit` conversations; turn k after the target's answers to 1..k-1."""
+    conversations = benchmark.conversations[:limit]
+    histories = target_histories(cfg, benchmark, target_dir, tokenizer, conversations)
     prompts: list[BenchPrompt] = []
-    with open(path) as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
-            ids = prompt_from_record(record, tokenizer, where)
-            if not ids:
-                raise ValueError(f"{where}: the prompt is empty")
-            prompts.append(BenchPrompt(str(record.get("id", record.get("question_id", line_number))), ids))
-            if limit is not None and len(prompts) == limit:
-                break
+    for conv in conversations:
+        answered = histories.get(conv.id) or earlier_turns(conv.messages)
+        for number, (_, text) in enumerate(user_turns(conv.messages), start=1):
+            history = answered[: _before_user_turn(answered, number)] + [{"role": "user", "content": text}]
+            prompt_id = conv.id if number == 1 else f"{conv.id}/turn{number}"
+            prompts.append(BenchPrompt(prompt_id, render(tokenizer, history)))
     return prompts
 
 
-def load_bench_prompts(cfg, tokenizer, dataset_dir: Optional[Path] = None) -> list[BenchPrompt]:
-    """`bench.prompts` when set, else the prepared dataset's bench split; at most `bench.num_prompts`."""
+def _before_user_turn(messages: list[dict], number: int) -> int:
+    """How many messages of an answered history come before its user turn `number` (all of them if it has none)."""
+    seen = 0
+    for i, message in enumerate(messages):
+        if message["role"] == "user":
+            seen += 1
+            if seen == number:
+                return i
+    return len(messages)
+
+
+def load_bench_prompts(cfg: DraftlineConfig, tokenizer, dataset_dir: Optional[Path] = None,
+                       target_dir: Optional[Path] = None) -> list[BenchPrompt]:
+    """`bench.prompts` when set (its first `bench.num_prompts` conversations, every turn), else the prepared
+    dataset's bench split (at most `bench.num_prompts` samples)."""
     limit = cfg.bench.num_prompts
     if cfg.bench.prompts:
-        prompts = load_prompt_file(Path(cfg.bench.prompts).expanduser(), tokenizer, limit)
-        source = cfg.bench.prompts
+        benchmark = load_benchmark(cfg, cfg.bench.prompts)
+        prompts = conversation_prompts(cfg, benchmark, target_dir, tokenizer, limit)
+        source = f"{cfg.bench.prompts} ({benchmark.path})"
     else:
-        from draftline.data.prepare import load_split
-
         samples = load_split(dataset_dir, "bench")
         prompts = [BenchPrompt(s["id"], prompt_from_sample(s)) for s in samples[:limit]]
         source = f"{dataset_dir}/bench.jsonl"

@@ -13,14 +13,18 @@ from pathlib import Path
 import torch
 
 from draftline.config import DraftlineConfig
+from draftline.data.prepare import load_split, load_vocab
+from draftline.drafter.export import META_FILE, export_drafter
+from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+from draftline.drafter.ttt import target_signals, ttt_loss
+from draftline.target.aux_layers import family_of
+from draftline.target.capture import capture_aux_hidden
+from draftline.target.load import load_target, resolve_aux_layer_ids
 from draftline.utils import atomic_write_json, build_lock, stable_hash
 
 
 def ttt_loss_on_samples(model, drafter, batch: list[dict], aux_layer_ids: list[int], ttt_steps: int):
     """The TTT objective on prepared samples (right-padded), target signals computed on the fly -> (loss, metrics)."""
-    from draftline.drafter.ttt import target_signals, ttt_loss
-    from draftline.target.capture import capture_aux_hidden
-
     length = max(len(s["input_ids"]) for s in batch)
     input_ids = torch.zeros(len(batch), length, dtype=torch.long)
     attention_mask = torch.zeros(len(batch), length, dtype=torch.long)
@@ -49,9 +53,6 @@ def quick_drafter(
     seed: int = 0,
 ) -> Path:
     """-> export dir `<data_dir>/quick-drafters/<hash>/` (reused when it exists)."""
-    from draftline.drafter.export import META_FILE
-    from draftline.target.load import load_target
-
     target = load_target(cfg, target_dir=target_dir)
     key = stable_hash(target.fingerprint, str(Path(dataset_dir).name), steps, batch_size, lr, ttt_steps, seed)[:16]
     out_dir = cfg.data_path("quick-drafters", key)
@@ -63,12 +64,6 @@ def quick_drafter(
 
 def _fit(cfg: DraftlineConfig, target, dataset_dir: str | Path, out_dir: Path, steps: int, batch_size: int, lr: float,
          ttt_steps: int, seed: int) -> Path:
-    from draftline.data.prepare import load_split, load_vocab
-    from draftline.drafter.export import export_drafter
-    from draftline.drafter.model import DrafterConfig, Eagle3Drafter
-    from draftline.target.aux_layers import family_of
-    from draftline.target.load import resolve_aux_layer_ids
-
     torch.manual_seed(seed)
     model = target.model
     aux_layer_ids = resolve_aux_layer_ids(cfg, target.num_layers, family_of(model.config))

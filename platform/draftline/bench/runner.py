@@ -32,11 +32,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from draftline.config import DraftlineConfig, SpeculativeConfig
-from draftline.engines.base import TARGET_ONLY, Engine, SamplingParams, SpecStats
-
 from draftline.bench.prompts import BenchPrompt
 from draftline.bench.stats import Interval, throughput_ratio
+from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.engines import make_engine
+from draftline.engines.base import TARGET_ONLY, Engine, SamplingParams, SpecStats
+
 
 BASELINE = TARGET_ONLY  # the label of the bench row every speedup is relative to
 
@@ -263,8 +264,6 @@ class PairedRounds:
         self.loaded.clear()
 
     async def _start(self, index: int) -> Engine:
-        from draftline.engines import make_engine
-
         spec = self.engines[index]
         engine = make_engine(self.cfg, self.target_dir, spec.drafter_dir, spec.model_version, speculative=spec.speculative)
         await engine.start()

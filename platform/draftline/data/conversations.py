@@ -1,5 +1,7 @@
-"""Reading conversations: jsonl or parquet, OpenAI `messages`, ShareGPT `conversations` (from/value) or
-UltraChat `data` (a list of strings, user and assistant alternating, user first).
+"""Reading conversations: jsonl or parquet, OpenAI `messages`, ShareGPT `conversations` (from/value),
+UltraChat `data` (a list of strings, user and assistant alternating, user first), or prompts: `turns` (user turns,
+MT-bench's layout) or `prompt` (one user turn). Prompt-only conversations are regenerate's input (the target writes
+the replies) and a bench's; prepare needs an assistant turn to learn from.
 An assistant turn's `reasoning_content` (a reasoning target's thinking) is kept when it is a string.
 Tool use (a tool/function role, an assistant turn with `tool_calls` or `function_call`) is refused as `unsupported`:
 the loss mask covers plain chat turns only, and dropping the calls silently would train replies the target never gave.
@@ -36,7 +38,7 @@ class BadRecord:
 class BadInput:
     file: str
     line: int
-    kind: str  # malformed | unknown_role | no_assistant | bad_field | unsupported | template | over_length
+    kind: str  # malformed | unknown_role | no_assistant | no_user | bad_field | unsupported | template | over_length
     message: str
 
     def __str__(self) -> str:
@@ -50,6 +52,18 @@ class Conversation:
     file: str
     line: int
     extra: dict = field(default_factory=dict)
+
+
+class NoConversationsError(ValueError):
+    """Nothing usable was read: a clear stop, with what was read and why each record was dropped."""
+
+    def __init__(self, path: str | Path, records_read: int, problems: list[BadInput], fix: str):
+        by_kind: dict[str, int] = {}
+        for p in problems:
+            by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
+        dropped = ", ".join(f"{k}={v}" for k, v in by_kind.items()) or "none"
+        first = f"; first: {problems[0]}" if problems else ""
+        super().__init__(f"no usable conversation in {path}: {records_read} record(s) read, dropped: {dropped}{first}; {fix}")
 
 
 class DataError(ValueError):
@@ -106,18 +120,35 @@ def _unsupported(file: str, line: int, conv_id: str, turn: int, what: str) -> Ba
                     "plain chat turns only (tool use is not supported yet): remove the tool turns or the conversation")
 
 
+def _prompt_turns(record: dict) -> object:
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list):
+            return turns
+        return [{"role": "user", "content": text} for text in turns]
+    return [{"role": "user", "content": record.get("prompt")}]
+
+
+# auto: the first of these keys a record has picks its format.
+FORMAT_KEYS = (("openai", "messages"), ("sharegpt", "conversations"), ("ultrachat", "data"), ("prompts", "turns"),
+               ("prompts", "prompt"))
+
+
 def _normalize(record: dict, fmt: str, where: tuple[str, int], conv_id: str) -> list[dict[str, str]] | BadInput:
     file, line = where
     if fmt == "auto":
-        fmt = next((f for f, key in (("openai", "messages"), ("sharegpt", "conversations"), ("ultrachat", "data")) if key in record), "")
-    if fmt == "ultrachat":
+        fmt = next((f for f, key in FORMAT_KEYS if key in record), "")
+    if fmt == "prompts":
+        turns, role_key, content_key, role_map = _prompt_turns(record), "role", "content", {"user": "user"}
+    elif fmt == "ultrachat":
         turns, role_key, content_key, role_map = _ultrachat_turns(record), "role", "content", {"user": "user", "assistant": "assistant"}
     elif fmt == "openai":
         turns, role_key, content_key, role_map = record.get("messages"), "role", "content", {r: r for r in ROLES}
     elif fmt == "sharegpt":
         turns, role_key, content_key, role_map = record.get("conversations"), "from", "value", SHAREGPT_ROLES
     else:
-        return BadInput(file, line, "bad_field", "no 'messages' (OpenAI), 'conversations' (ShareGPT) or 'data' (UltraChat) field; add one of them")
+        return BadInput(file, line, "bad_field", "no 'messages' (OpenAI), 'conversations' (ShareGPT), 'data' (UltraChat), "
+                        "'turns' or 'prompt' field; add one of them")
     if not isinstance(turns, list) or not turns:
         return BadInput(file, line, "bad_field", f"field for {fmt} format must be a non-empty list of turns")
     messages = []
@@ -140,12 +171,23 @@ def _normalize(record: dict, fmt: str, where: tuple[str, int], conv_id: str) -> 
         if role_map[role] == "assistant" and isinstance(turn.get("reasoning_content"), str):
             message["reasoning_content"] = turn["reasoning_content"]
         messages.append(message)
-    if not any(m["role"] == "assistant" for m in messages):
-        return BadInput(file, line, "no_assistant", "conversation has no assistant turn, so there is nothing to learn; add a reply or remove it")
     return messages
 
 
-def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegpt", "ultrachat"] = "auto") -> tuple[list[Conversation], list[BadInput]]:
+def _missing_turn(messages: list[dict[str, str]], need_reply: bool, where: tuple[str, int]) -> BadInput | None:
+    if not need_reply and not any(m["role"] == "user" for m in messages):
+        return BadInput(*where, "no_user", "conversation has no user turn, so nothing prompts a reply; add one or remove it")
+    if need_reply and not any(m["role"] == "assistant" for m in messages):
+        return BadInput(*where, "no_assistant", "conversation has no assistant turn, so there is nothing to learn; "
+                        "set regenerate.enabled=true to have the target answer it, or add a reply")
+    return None
+
+
+def read_conversations(
+    path: str | Path, fmt: Literal["auto", "openai", "sharegpt", "ultrachat", "prompts"] = "auto",
+    need_reply: bool = True,
+) -> tuple[list[Conversation], list[BadInput]]:
+    """need_reply=False: prompt-only conversations count (regenerate answers them, a bench prompts with them)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"conversations file {path} does not exist (data.conversations)")
@@ -162,8 +204,11 @@ def read_conversations(path: str | Path, fmt: Literal["auto", "openai", "sharegp
         if not isinstance(record, dict):
             bad.append(BadInput(str(path), line, "malformed", f"expected a JSON object per line, got {type(record).__name__}"))
             continue
-        conv_id = str(record.get("id") or f"{path.name}:{line}")
+        given_id = record.get("id", record.get("question_id"))  # MT-bench numbers its questions
+        conv_id = str(given_id) if given_id not in (None, "") else f"{path.name}:{line}"
         messages = _normalize(record, fmt, (str(path), line), conv_id)
+        if not isinstance(messages, BadInput):
+            messages = _missing_turn(messages, need_reply, (str(path), line)) or messages
         if isinstance(messages, BadInput):
             bad.append(messages)
             continue

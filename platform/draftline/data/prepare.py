@@ -12,11 +12,22 @@ import shutil
 from pathlib import Path
 
 from draftline.config import DraftlineConfig, write_resolved
-from draftline.data.conversations import BadInput, DataError, drop_duplicate_ids, read_conversations
+from draftline.data.benchmarks import Benchmark, load_benchmark
+from draftline.data.contamination import HeldOutIndex
+from draftline.data.conversations import BadInput, Conversation, DataError, drop_duplicate_ids, read_conversations
 from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
+from draftline.data.sources import check_regenerated_for_target, conversations_path
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
-from draftline.regenerate.run import check_regenerated_for_target
-from draftline.utils import atomic_write_json, build_lock, raise_if_storage_full, read_json, sha256_file, split_of, stable_hash
+from draftline.target.load import resolve_target_dir
+from draftline.utils import (
+    atomic_write_json,
+    build_lock,
+    raise_if_storage_full,
+    read_json,
+    sha256_file,
+    split_of,
+    stable_hash,
+)
 
 SPLITS = ("train", "val", "bench")
 
@@ -25,51 +36,46 @@ def _log(msg: str) -> None:
     print(f"[prepare] {msg}", flush=True)
 
 
-def conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
-    """What prepare reads: the regenerated conversations with regenerate.enabled, else the source."""
-    if cfg.regenerate.enabled:
-        from draftline.regenerate.run import regenerated_conversations
-
-        return regenerated_conversations(cfg, target_dir)
-    return source_conversations_path(cfg, target_dir)
-
-
-def source_conversations_path(cfg: DraftlineConfig, target_dir: Path) -> Path:
-    if cfg.data.conversations:
-        return Path(cfg.data.conversations).expanduser()
-    own = target_dir / "conversations.jsonl"
-    if not own.exists():
-        raise FileNotFoundError(
-            f"data.conversations is empty and the target at {target_dir} has no conversations.jsonl; "
-            "set data.conversations to a jsonl/parquet file of OpenAI messages or ShareGPT conversations"
-        )
-    return own
-
-
 def tokenizer_fingerprint(target_dir: Path) -> str:
     files = [f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (target_dir / f).exists()]
     return stable_hash([(f, sha256_file(target_dir / f)) for f in files])[:16]
 
 
-def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path) -> str:
-    return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir), cfg.data.model_dump(mode="json"))[:16]
+def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, held_out: list[Benchmark]) -> str:
+    return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir), cfg.data.model_dump(mode="json"),
+                       [b.sha256 for b in held_out])[:16]
 
 
 def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
-    from draftline.target.load import resolve_target_dir
-
     target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
     conv_path = conversations_path(cfg, target_dir)
     check_regenerated_for_target(conv_path, target_dir)
-    out_dir = cfg.data_path("datasets", dataset_hash(cfg, target_dir, conv_path))
+    held_out = [load_benchmark(cfg, name) for name in cfg.data.held_out_benchmarks]
+    out_dir = cfg.data_path("datasets", dataset_hash(cfg, target_dir, conv_path, held_out))
     with build_lock(out_dir):
         if (out_dir / "manifest.json").exists():
             _log(f"cached: {out_dir}")
             return out_dir
-        return _build_dataset(cfg, target_dir, conv_path, out_dir)
+        return _build_dataset(cfg, target_dir, conv_path, out_dir, held_out)
 
 
-def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_dir: Path) -> Path:
+def drop_benchmark_prompts(conversations: list[Conversation], held_out: list[Benchmark]) -> tuple[list[Conversation], list[BadInput]]:
+    """Conversations none of whose user turns is a held-out benchmark prompt or a near copy of one; the others named."""
+    index = HeldOutIndex(held_out)
+    kept: list[Conversation] = []
+    problems: list[BadInput] = []
+    for conv in conversations:
+        why = index.conversation_match(conv.messages)
+        if why is None:
+            kept.append(conv)
+        else:
+            problems.append(BadInput(conv.file, conv.line, "benchmark", f"conversation {conv.id!r} {why}; benchmarks "
+                                     "are never trained on (data.held_out_benchmarks): remove it from the data"))
+    return kept, problems
+
+
+def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_dir: Path,
+                   held_out: list[Benchmark]) -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -86,7 +92,8 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
     splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
     truncated = 0
     conversations, duplicates = drop_duplicate_ids(conversations)
-    problems += duplicates
+    conversations, copies = drop_benchmark_prompts(conversations, held_out)
+    problems += duplicates + copies
     for conv in conversations:
         try:
             sample = build_masked_sample(tokenizer, conv.messages, eot)
@@ -131,6 +138,8 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
         "truncated": truncated,
         "bad_input": {"policy": cfg.data.on_bad_input, "count": len(problems), "by_kind": by_kind, "items": [str(p) for p in problems]},
         "draft_vocab": {"size": cfg.data.draft_vocab_size, "target_vocab_size": target_vocab_size, **vocab_stats},
+        "held_out_benchmarks": [{"name": b.name, "path": str(b.path), "sha256": b.sha256,
+                                 "prompts": len(b.conversations)} for b in held_out],
     }
     manifest = {
         "dataset_hash": out_dir.name,
@@ -140,6 +149,7 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
         "target_vocab_size": target_vocab_size,
         "draft_vocab_size": cfg.data.draft_vocab_size,
         "samples": report["samples"],
+        "held_out_benchmarks": {b.name: b.sha256 for b in held_out},
     }
     _write_dataset_dir(cfg, out_dir, splits, d2t, t2d, report, manifest)
     return out_dir
@@ -191,6 +201,11 @@ def summary_text(dataset_dir: Path) -> str:
     for item in bad["items"][:5]:
         lines.append(f"    {item}")
     lines.append(f"  truncated to max_seq_len: {report['truncated']}")
+    held_out = report.get("held_out_benchmarks") or []
+    if held_out:
+        dropped = bad["by_kind"].get("benchmark", 0)
+        names = ", ".join(f"{b['name']} ({b['prompts']} prompts)" for b in held_out)
+        lines.append(f"  held out: {names}; {dropped} conversation(s) dropped as benchmark copies")
     vocab = report["draft_vocab"]
     lines.append(
         f"  draft vocab: {vocab['size']} of {vocab['target_vocab_size']} target tokens, "

@@ -13,6 +13,9 @@ Checked by reading sglang/srt/models/llama_eagle3.py and llama.py of SGLang 0.5.
 - 0.5.6 builds fc as 3 * target_hidden_size wide regardless of the config; 0.5.12+ sizes it from the number of
   aux ids. A drafter with n_aux != 3 therefore loads only on 0.5.12+.
 - `tie_word_embeddings` must be false and `draft_vocab_size` set, or SGLang uses/loads a target-vocab lm_head.
+- SpecForge 0.2.0 warm-starts from the same directory (it reads SGLang's ids); `rope_scaling` carries the fields
+  every peer needs to compute the drafter's rotary (drafter/model.py `exported_rope_scaling`). speculators' own
+  format is drafter/speculators_export.py.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save
 
-from draftline.drafter.model import DrafterConfig, Eagle3Drafter
+from draftline.drafter.model import DrafterConfig, Eagle3Drafter, drafter_rope_scaling, exported_rope_scaling
 from draftline.target.aux_layers import DEFAULT_FAMILY, rule_for, written_aux_ids
 from draftline.utils import atomic_write_bytes, atomic_write_json, read_json
 
@@ -35,6 +38,9 @@ SGLANG_VERSIONS_CHECKED = ("0.5.6", "0.5.12", "0.5.23")
 # The SGLang version whose aux id rule the export follows; versions reading ids the same way are listed as supported.
 SGLANG_EXPORT_VERSION = "0.5.23"
 VLLM_VERSIONS_CHECKED = ("0.32.0",)
+# SpecForge warm-starts from the hf export and hands eagle_config's ids to the SGLang it pins (0.2.0: sglang==0.5.14).
+SPECFORGE_VERSION_CHECKED = "0.2.0"
+SPECFORGE_SGLANG_VERSION = "0.5.14"
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "draftline.json"
@@ -91,7 +97,7 @@ def hf_config(config: DrafterConfig, torch_dtype: str) -> dict[str, Any]:
         "attention_bias": False,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
+        "rope_scaling": exported_rope_scaling(config.rope_scaling),
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.target_vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
@@ -117,16 +123,15 @@ def sglang_versions_supported(config: DrafterConfig) -> list[str]:
     ]
 
 
-def export_drafter(
-    model: Eagle3Drafter, out_dir: str | os.PathLike, meta: Optional[dict[str, Any]] = None, dtype: Optional[str] = None
-) -> Path:
-    """Write config.json, model.safetensors and draftline.json (meta + what this export was checked against).
+def specforge_supported(config: DrafterConfig) -> bool:
+    """SpecForge builds fc for 3 aux states, and must read the SGLang ids as the export version does."""
+    family, ids = config.target_family, config.aux_layer_ids
+    written = written_aux_ids(family, "sglang", SGLANG_EXPORT_VERSION, ids)
+    return config.num_aux == 3 and written_aux_ids(family, "sglang", SPECFORGE_SGLANG_VERSION, ids) == written
 
-    dtype: "float32" | "bfloat16" | "float16" for the float weights (default: the model's own dtype).
-    draftline.json is written last, so its presence marks a complete export.
-    """
-    out = Path(out_dir)
-    cfg = model.config
+
+def export_tensors(model: Eagle3Drafter, dtype: Optional[str]) -> tuple[dict[str, torch.Tensor], str]:
+    """The drafter's tensors under SGLang's checkpoint names, float ones cast to `dtype` (default: the model's own)."""
     if dtype is None:
         dtype = _dtype_name(next(model.parameters()).dtype)
     if dtype not in _DTYPES:
@@ -137,29 +142,49 @@ def export_drafter(
         if tensor.is_floating_point():
             tensor = tensor.to(_DTYPES[dtype])
         tensors[name] = tensor.contiguous()
-    expected = expected_weight_shapes(cfg)
+    expected = expected_weight_shapes(model.config)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     if got != expected:
         raise ValueError(f"drafter state does not match SGLang's checkpoint layout: got {got}, expected {expected}")
+    return tensors, dtype
 
+
+def write_export(
+    out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config_json: dict[str, Any], meta: dict[str, Any]
+) -> Path:
+    """model.safetensors, config.json, then draftline.json (meta + weights_sha256 + time): its presence marks a complete export."""
+    out = Path(out_dir)
     weights = save(tensors, metadata={"format": "pt"})
     atomic_write_bytes(out / WEIGHTS_FILE, weights)
-    atomic_write_json(out / "config.json", hf_config(cfg, dtype))
+    atomic_write_json(out / "config.json", config_json)
+    # weights_sha256 is checked by the registry before a version is promoted or served (registry.verify_export).
+    meta = {**meta, "weights_sha256": hashlib.sha256(weights).hexdigest(), "exported_at_unix_s": int(time.time())}
+    atomic_write_json(out / META_FILE, meta)
+    return out
+
+
+def export_drafter(
+    model: Eagle3Drafter, out_dir: str | os.PathLike, meta: Optional[dict[str, Any]] = None, dtype: Optional[str] = None
+) -> Path:
+    """Write config.json, model.safetensors and draftline.json (meta + what this export was checked against).
+
+    dtype: "float32" | "bfloat16" | "float16" for the float weights (default: the model's own dtype).
+    draftline.json is written last, so its presence marks a complete export.
+    """
+    cfg = model.config
+    tensors, dtype = export_tensors(model, dtype)
     export_meta = {
         **(meta or {}),
         "format_version": EXPORT_FORMAT_VERSION,
         "aux_layer_ids": list(cfg.aux_layer_ids),
         "drafter_config": cfg.to_dict(),
         "dtype": dtype,
-        # Checked by the registry before a version is promoted or served (registry.verify_export).
-        "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "sglang_versions_checked": list(SGLANG_VERSIONS_CHECKED),
         "sglang_versions_supported": sglang_versions_supported(cfg),
         "vllm_versions_checked": list(VLLM_VERSIONS_CHECKED),
-        "exported_at_unix_s": int(time.time()),
+        "specforge_versions_supported": [SPECFORGE_VERSION_CHECKED] if specforge_supported(cfg) else [],
     }
-    atomic_write_json(out / META_FILE, export_meta)
-    return out
+    return write_export(out_dir, tensors, hf_config(cfg, dtype), export_meta)
 
 
 def read_export_meta(export_dir: str | os.PathLike) -> dict[str, Any]:
@@ -192,7 +217,7 @@ def config_from_hf(hf: dict[str, Any]) -> DrafterConfig:
         rms_norm_eps=hf["rms_norm_eps"],
         rope_theta=hf["rope_theta"],
         max_position_embeddings=hf["max_position_embeddings"],
-        rope_scaling=hf.get("rope_scaling"),
+        rope_scaling=drafter_rope_scaling(hf.get("rope_scaling"), "config.json rope_scaling"),
     )
 
 
@@ -229,12 +254,8 @@ def save_drafter_checkpoint(model: Eagle3Drafter, ckpt_dir: str | os.PathLike) -
     return ckpt
 
 
-def export_from_checkpoint(
-    ckpt_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    meta: Optional[dict[str, Any]] = None,
-    dtype: Optional[str] = None,
-) -> Path:
+def load_drafter_checkpoint(ckpt_dir: str | os.PathLike) -> Eagle3Drafter:
+    """The drafter of a training checkpoint directory (drafter_state.pt + drafter_config.json), weights as trained."""
     ckpt = Path(ckpt_dir)
     state_path, config_path = ckpt / CHECKPOINT_STATE_FILE, ckpt / CHECKPOINT_CONFIG_FILE
     for path in (state_path, config_path):
@@ -251,6 +272,13 @@ def export_from_checkpoint(
     except RuntimeError as err:
         raise ValueError(f"{state_path} does not fit {config_path}: {err}") from None
     model.set_vocab(state["d2t"], state["t2d"])
-    if dtype is None:
-        dtype = _dtype_name(state["fc.weight"].dtype)
-    return export_drafter(model, out_dir, meta=meta, dtype=dtype)
+    return model.to(state["fc.weight"].dtype)
+
+
+def export_from_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    meta: Optional[dict[str, Any]] = None,
+    dtype: Optional[str] = None,
+) -> Path:
+    return export_drafter(load_drafter_checkpoint(ckpt_dir), out_dir, meta=meta, dtype=dtype)

@@ -147,8 +147,8 @@ class DrafterConfig:
         )
 
 
-# The keys of each rope_scaling the drafter writes into its export. Every engine reads these the same way (checked
-# numerically against SGLang 0.5.6/0.5.12/0.5.23 and vLLM 0.32 by tests/test_drafter_rope.py).
+# The keys of each rope_scaling the drafter trains with (DrafterConfig.rope_scaling). Every engine reads these the
+# same way (checked numerically against SGLang 0.5.6/0.5.12/0.5.23 and vLLM 0.32 by tests/integration/test_drafter_rope.py).
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -157,12 +157,60 @@ _ROPE_SCALING_KEYS = {
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
 
 
+def yarn_magnitude(factor: float) -> float:
+    """YaRN's scale on cos and sin as the drafter trains with it: 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _yarn_peer_fields(rope_scaling: dict) -> dict[str, Any]:
+    """The yarn fields some peer reads with a default of its own, at the values that give every peer the drafter's
+    magnitude (tests/integration/test_drafter_rope.py runs each peer's rotary code on the export):
+    - mscale 1, mscale_all_dim 0: SpecForge 0.2.0 and SGLang 0.5.23 scale by yarn_get_mscale(f, mscale) /
+      yarn_get_mscale(f, mscale_all_dim) = (0.1 ln f + 1) / 1 (SpecForge fails when they are absent); vLLM 0.32 and
+      transformers take that ratio only when both are non-zero, else 0.1 ln f + 1; SGLang 0.5.6/0.5.12 ignore them.
+    - attention_factor: vLLM and transformers (speculators' rotary) use it in place of any mscale.
+    - truncate: vLLM, transformers and SGLang 0.5.12+ read it (default true); SGLang 0.5.6 and SpecForge always truncate.
+    SGLang's own `attn_factor` and `extrapolation_factor` are left out: transformers flags them as unknown keys, and
+    SGLang's defaults (1) are the drafter's.
+    """
+    return {"mscale": 1.0, "mscale_all_dim": 0.0, "attention_factor": yarn_magnitude(rope_scaling["factor"]), "truncate": True}
+
+
+_PEER_FIELDS = {"yarn": _yarn_peer_fields}
+
+
+def exported_rope_scaling(rope_scaling: Optional[dict]) -> Optional[dict]:
+    """DrafterConfig.rope_scaling as an export writes it: plus every field a peer reads with a default of its own."""
+    if rope_scaling is None or rope_scaling["rope_type"] not in _PEER_FIELDS:
+        return rope_scaling
+    return {**rope_scaling, **_PEER_FIELDS[rope_scaling["rope_type"]](rope_scaling)}
+
+
+def drafter_rope_scaling(exported: Optional[dict], where: str) -> Optional[dict]:
+    """The inverse of exported_rope_scaling; peer fields at other values (an edited export) are refused, naming `where`.
+
+    Exports written before the peer fields existed carry none of them and read back the same."""
+    if exported is None or exported.get("rope_type") not in _PEER_FIELDS:
+        return exported
+    expected = _PEER_FIELDS[exported["rope_type"]](exported)
+    rope_scaling = {k: v for k, v in exported.items() if k not in expected}
+    wrong = {k: v for k, v in exported.items() if k in expected and v != expected[k]}
+    if wrong:
+        raise ValueError(
+            f"{where}: {wrong} would make some engine scale the drafter's rotary differently from training; "
+            f"a draftline export has {expected} (re-export the drafter)"
+        )
+    return rope_scaling
+
+
 def _rope_of(hf_config: Any) -> tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling for the drafter) from a target config (transformers 5 `rope_parameters`, 4.x keys).
 
-    YaRN's `mscale`/`mscale_all_dim` are dropped: SGLang 0.5.6 and 0.5.12 ignore them, 0.5.23 and vLLM take their
-    ratio, so only without them do all engines compute one magnitude (0.1 ln(factor) + 1). The drafter is trained
-    with what it is served with, which need not be the target's own attention scaling.
+    The target's own YaRN magnitude (`mscale`, `mscale_all_dim`, `attention_factor`) is not the drafter's: the
+    engines disagree on it (SGLang 0.5.6/0.5.12 ignore mscale, 0.5.23, vLLM and SpecForge take a ratio), so the
+    drafter always trains with 0.1 ln(factor) + 1, and its export writes the fields that make every peer compute
+    that (exported_rope_scaling). The drafter is trained with what it is served with, which need not be the
+    target's own attention scaling.
     """
     params = getattr(hf_config, "rope_parameters", None)
     if not isinstance(params, dict):
@@ -216,7 +264,7 @@ def rope_frequencies(head_dim: int, theta: float, rope_scaling: Optional[dict]) 
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
     extrapolate = 1 - ramp
     inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
-    return inv_freq, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
+    return inv_freq, yarn_magnitude(factor)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ hidden_out at the same t. RoPE position is t+k.
 
 Attention at step k, position t: the step-0 keys at positions 0..t (causal: the prefix the target verified)
 plus the keys of steps 1..k at position t (the chain drafted so far). That is exactly what token-by-token
-drafting with `DrafterKVCache` sees (tests/test_drafter_ttt.py checks it). SpecForge/EAGLE additionally hide
+drafting with `DrafterKVCache` sees (tests/unit/test_drafter_ttt.py checks it). SpecForge/EAGLE additionally hide
 the step-0 keys at positions t-k+1..t at step k; that makes training see less context than serving
 (SafeAILab/EAGLE#247, sgl-project/SpecForge#245), so it is not done here.
 

@@ -14,7 +14,7 @@ from draftline.config import ConfigError, DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import Engine
 
 ENGINE_BACKENDS: dict[str, str] = {
-    "reference": "draftline.engines.reference:ReferenceEngine",
+    "reference": "draftline.engines.reference.engine:ReferenceEngine",
     "sglang": "draftline.engines.sglang.engine:SGLangEngine",
     "vllm": "draftline.engines.vllm.engine:VLLMEngine",
 }

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import argparse
 
+from draftline.cli import add_config_args, config_from_args, print_error
 from draftline.config import ConfigError, DraftlineConfig
+from draftline.data.prepare import prepare
+from draftline.extract.online import online_extract_summary
+from draftline.extract.run import extract_with_stats, summary_text
+from draftline.extract.shards import ShardError
+from draftline.target.load import resolve_target_dir
 
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:
-    from draftline.cli import add_config_args
-
     add_config_args(parser)
     parser.add_argument("--split", choices=["train", "val", "all"], default="all", help="split(s) to extract (default: %(default)s)")
     parser.add_argument("--dataset-dir", default=None, help="prepared dataset dir (default: run/find `draftline prepare` for the config)")
 
 
 def run_extract(cfg: DraftlineConfig, dataset_dir: str | None, split: str) -> int:
-    from draftline.cli import print_error
-    from draftline.extract.run import extract_with_stats, summary_text
-    from draftline.extract.shards import ShardError
-
     try:
         if cfg.extract.mode == "online":  # nothing to store: training runs the target in its stream
-            from draftline.data.prepare import prepare
-            from draftline.extract.online import online_extract_summary
-            from draftline.target.load import resolve_target_dir
-
             target_dir = resolve_target_dir(cfg)
             print(online_extract_summary(cfg, target_dir, dataset_dir or prepare(cfg, target_dir))["line"], flush=True)
             return 0
@@ -42,8 +38,6 @@ def run_extract(cfg: DraftlineConfig, dataset_dir: str | None, split: str) -> in
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-
     return run_extract(config_from_args(args), args.dataset_dir, args.split)
 
 

@@ -7,9 +7,10 @@ not split: `DataConfig(datasets_to_split=[])`), read with `ray.train.get_dataset
       ->  map_batches(TargetCapture, compute=ActorPoolStrategy(size=extract.online.actors_per_train_worker))
       ->  the worker
 
-The rows are the samples rank r would read from the shards offline, in the same order: step s's micro-batch is
-`sample_indices_for_step(s-1, r, W, B, shard_sizes, seed)` with the shard sizes offline extraction would write
-(`extract.samples_per_shard`), followed, at a validation step, by the rank's contiguous val slice. Order is kept
+The rows are the samples rank r would read from the shards offline, in the same order, as training defines it
+(`draftline.train.order.rank_stream_rows`, computed by the training driver and handed to `build_streams`): step s's
+micro-batch with the shard sizes offline extraction would write (`extract.samples_per_shard`), followed, at a
+validation step, by the rank's contiguous val slice. Order is kept
 (`ExecutionOptions(preserve_order=True)`), so the worker collates the same micro-batches as offline and the loss,
 metrics and checkpoints are the same code (tests/e2e/test_train_online.py compares the per-step losses).
 
@@ -23,34 +24,31 @@ Backpressure: each stream's executor may hold `extract.online.object_store_memor
 Failures. A target actor that dies is restarted by Ray Data (max_restarts=-1) and its batch retried
 (max_task_retries=-1): same rows, same order. A training worker that dies makes Ray Train restart the group from the
 last checkpoint at step s; each new worker tells the `StreamCursor` actor its s before it starts reading, and the
-target actors drop the rows of steps <= s before their forward (no forward is spent on them). The worker checks
-every row it takes against the order it expects (`StreamOrderError`), so a lost or repeated sample cannot go unseen.
+target actors drop the rows of steps <= s before their forward (no forward is spent on them). The worker's reader
+(`draftline.train.stream.StreamReader`) checks every row it takes against the order it expects, so a lost or repeated
+sample cannot go unseen.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from draftline import faults
+from draftline.config import DraftlineConfig
+from draftline.extract.run import aux_layer_ids_for, target_info
 from draftline.extract.shards import TORCH_DTYPES, num_shards, shard_sample_range, stored_bytes_per_token
-from draftline.utils import actor_on_driver_node
+from draftline.extract.worker import hidden_states_for_samples, load_capture_model
+from draftline.faults import Fault
+from draftline.utils import actor_on_driver_node, read_json
 
 TRAIN, VAL = 0, 1
 PAYLOAD = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
-# Test hook (tests/e2e/test_train_online.py): a target actor dies like a killed process after N batches, once per
-# marker file.
-FAULT_AFTER_BATCHES_ENV = "DRAFTLINE_ONLINE_FAULT_AFTER_BATCHES"
-FAULT_MARKER_ENV = "DRAFTLINE_ONLINE_FAULT_MARKER"
-
-
-class StreamOrderError(RuntimeError):
-    """A training worker got other samples than the order says (a lost, repeated or reordered sample)."""
 
 
 def stream_dataset_name(rank: int) -> str:
@@ -65,27 +63,6 @@ def shard_sizes_for(num_samples: int, samples_per_shard: int) -> list[int]:
 def streamed_bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
     """What the stream carries per token: the same tensors a shard stores (aux + final states, token id, mask)."""
     return stored_bytes_per_token(num_aux, hidden_size, dtype)
-
-
-def rank_stream_rows(
-    rank: int, world_size: int, train_cfg, shard_sizes: Sequence[int], num_val_samples: int, seed: int
-) -> list[dict]:
-    """Every row rank `rank` consumes in a run, in order. `step` is the 1-based optimizer step a train row is
-    trained at, or the step after which a val row is validated (val rows follow that step's train rows)."""
-    from draftline.train.data import sample_indices_for_step, val_indices_for_rank
-    from draftline.train.loop import is_validation_step
-
-    val_indices = list(val_indices_for_rank(num_val_samples, rank, world_size))
-    orders: dict = {}
-    rows = []
-    for step in range(1, train_cfg.max_steps + 1):
-        indices = sample_indices_for_step(
-            step - 1, rank, world_size, train_cfg.micro_batch_size, shard_sizes, seed, orders
-        )
-        rows.extend({"split": TRAIN, "step": step, "sample_index": i} for i in indices)
-        if is_validation_step(step, train_cfg):
-            rows.extend({"split": VAL, "step": step, "sample_index": i} for i in val_indices)
-    return rows
 
 
 class StreamCursor:
@@ -126,11 +103,8 @@ def _object_column(arrays: Sequence[np.ndarray]) -> np.ndarray:
 class TargetCapture:
     """Ray Data actor: holds the target and turns rows (split, step, sample_index) into the samples training reads."""
 
-    def __init__(self, config: dict, plan: dict, split_tokens_refs: dict, cursor, rank: int, fault: dict | None = None):
+    def __init__(self, config: dict, plan: dict, split_tokens_refs: dict, cursor, rank: int, fault: Fault | None = None):
         import ray
-
-        from draftline.config import DraftlineConfig
-        from draftline.extract.worker import load_capture_model
 
         cfg = DraftlineConfig.model_validate(config)
         self.plan = plan
@@ -145,8 +119,6 @@ class TargetCapture:
     def __call__(self, batch: dict) -> dict:
         import ray
 
-        from draftline.extract.worker import hidden_states_for_samples
-
         # Rows of steps a resumed worker already trained on are dropped before the forward.
         keep = batch["step"] > ray.get(self.cursor.start.remote(self.rank))
         batch = {name: column[keep] for name, column in batch.items()}
@@ -157,7 +129,8 @@ class TargetCapture:
             TORCH_DTYPES[plan["dtype"]], self.device,
         )  # fmt: skip
         self.batches_done += 1
-        _maybe_die_for_test(self.fault, self.batches_done)
+        if self.fault is not None:
+            self.fault.fire(self.batches_done, f"online target actor of rank {self.rank}")
         return {
             "split": batch["split"],
             "step": batch["step"],
@@ -167,28 +140,6 @@ class TargetCapture:
             "aux_hidden": _object_column([to_wire(aux) for aux, _ in hidden]),
             "final_hidden": _object_column([to_wire(final) for _, final in hidden]),
         }
-
-
-def _maybe_die_for_test(fault: dict | None, batches_done: int) -> None:
-    if not fault or batches_done < fault["after_batches"]:
-        return
-    marker = Path(fault["marker"])
-    try:
-        with open(marker, "x") as handle:  # exclusive create: one actor dies, once
-            handle.write(f"target actor pid {os.getpid()} exited after {batches_done} batches\n")
-    except FileExistsError:
-        return
-    os._exit(137)
-
-
-def fault_injection_from_env() -> dict | None:
-    after = os.environ.get(FAULT_AFTER_BATCHES_ENV)
-    if not after:
-        return None
-    marker = os.environ.get(FAULT_MARKER_ENV)
-    if not marker:
-        raise RuntimeError(f"{FAULT_AFTER_BATCHES_ENV} is set but {FAULT_MARKER_ENV} is not; set both or neither")
-    return {"after_batches": int(after), "marker": marker}
 
 
 @dataclass
@@ -201,29 +152,29 @@ class OnlineStreams:
     cursor: object
 
 
-def build_streams(cfg, plan: dict, split_tokens: dict, world_size: int) -> OnlineStreams:
-    """`split_tokens`: {TRAIN: SplitTokens, VAL: SplitTokens}. Nothing runs until a worker iterates its stream."""
+def build_streams(cfg, plan: dict, split_tokens: dict, rows_per_rank: list[list[dict]]) -> OnlineStreams:
+    """`split_tokens`: {TRAIN: SplitTokens, VAL: SplitTokens}; `rows_per_rank`: each training rank's rows (split,
+    step, sample_index) in the order it reads them (train/order.py). Nothing runs until a worker iterates its
+    stream."""
     import ray
     import ray.data
     from ray.data import ExecutionOptions, ExecutionResources
     from ray.train import DataConfig
 
     extract_cfg = cfg.extract
-    shard_sizes = shard_sizes_for(len(split_tokens[TRAIN]), extract_cfg.samples_per_shard)
     cursor = actor_on_driver_node(StreamCursor)
     refs = {split: ray.put(tokens) for split, tokens in split_tokens.items()}
     resources = {"num_cpus": extract_cfg.cpus_per_worker, "num_gpus": 1 if extract_cfg.use_gpu else 0}
     if extract_cfg.pipeline is not None:  # the stage actors hold the devices; this actor only drives them
         resources["num_gpus"] = 0
     datasets = {}
-    for rank in range(world_size):
-        rows = rank_stream_rows(rank, world_size, cfg.train, shard_sizes, len(split_tokens[VAL]), cfg.seed)
+    for rank, rows in enumerate(rows_per_rank):
         datasets[stream_dataset_name(rank)] = (
             ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // extract_cfg.batch_size)))
             .map_batches(
                 TargetCapture,
                 fn_constructor_kwargs={"config": cfg.model_dump(mode="json"), "plan": plan, "split_tokens_refs": refs,
-                                       "cursor": cursor, "rank": rank, "fault": fault_injection_from_env()},
+                                       "cursor": cursor, "rank": rank, "fault": faults.planned("online.batches")},
                 compute=ray.data.ActorPoolStrategy(size=extract_cfg.online.actors_per_train_worker),
                 batch_size=extract_cfg.batch_size,
                 batch_format="numpy",
@@ -242,79 +193,10 @@ def build_streams(cfg, plan: dict, split_tokens: dict, world_size: int) -> Onlin
     return OnlineStreams(datasets, DataConfig(datasets_to_split=[], execution_options=options), cursor)
 
 
-class StreamReader:
-    """A training worker's side: takes its rows in order, checks them, and hands out samples as the shard reader
-    does (`input_ids`, `loss_mask`, `aux_hidden`, `final_hidden` tensors), so collate and the loop are shared."""
-
-    def __init__(self, iterator, rank: int, world_size: int, micro_batch_size: int, shard_sizes: Sequence[int],
-                 num_val_samples: int, seed: int, dtype: str, prefetch_blocks: int):
-        self.rank, self.world_size, self.micro_batch_size = rank, world_size, micro_batch_size
-        self.shard_sizes, self.num_val_samples, self.seed, self.dtype = list(shard_sizes), num_val_samples, seed, dtype
-        self._orders: dict = {}
-        self._rows = self._iter_rows(
-            iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_blocks)
-        )
-        self.bytes_received = 0
-        self.tokens_received = 0
-
-    @staticmethod
-    def _iter_rows(batches) -> Iterator[dict]:
-        for batch in batches:
-            for row in range(len(batch["step"])):
-                yield {name: column[row] for name, column in batch.items()}
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes_received / self.tokens_received if self.tokens_received else 0.0
-
-    def _take(self, split: int, step: int, expected: Sequence[int]) -> list[dict]:
-        rows = list(itertools.islice(self._rows, len(expected)))
-        got = [(int(r["split"]), int(r["step"]), int(r["sample_index"])) for r in rows]
-        want = [(split, step, int(i)) for i in expected]
-        if got != want:
-            raise StreamOrderError(
-                f"rank {self.rank}: the online stream gave {got[:4]}... ({len(got)} rows) where the training order "
-                f"says {want[:4]}... ({len(want)} rows) as (split, step, sample); a sample was lost, repeated or "
-                "reordered: the stream must run with preserve_order and the cursor set before reading"
-            )
-        samples = []
-        for row in rows:
-            self.bytes_received += sum(row[name].nbytes for name in PAYLOAD)
-            self.tokens_received += len(row["input_ids"])
-            samples.append({
-                "input_ids": torch.from_numpy(np.array(row["input_ids"])),
-                "loss_mask": torch.from_numpy(np.array(row["loss_mask"])),
-                "aux_hidden": from_wire(row["aux_hidden"], self.dtype),
-                "final_hidden": from_wire(row["final_hidden"], self.dtype),
-                "sample_index": int(row["sample_index"]),
-            })
-        return samples
-
-    def train_samples(self, step: int) -> list[dict]:
-        """The micro-batch of 0-based `step` (what ShardSamples.train_samples reads from shards)."""
-        from draftline.train.data import sample_indices_for_step
-
-        expected = sample_indices_for_step(
-            step, self.rank, self.world_size, self.micro_batch_size, self.shard_sizes, self.seed, self._orders
-        )
-        return self._take(TRAIN, step + 1, expected)
-
-    def val_batches(self, step: int) -> Iterator[list[dict]]:
-        """The rank's val slice after (1-based) `step`, in micro-batches (what ShardSamples.val_batches reads)."""
-        from draftline.train.data import val_indices_for_rank
-
-        indices = list(val_indices_for_rank(self.num_val_samples, self.rank, self.world_size))
-        for start in range(0, len(indices), self.micro_batch_size):
-            yield self._take(VAL, step, indices[start : start + self.micro_batch_size])
-
-
 def online_extract_summary(cfg, target_dir, dataset_dir) -> dict:
     """What `draftline extract` and the extract stage of `draftline run` print in online mode, before training
     starts: nothing on disk, the bytes per token the stream will carry and their total per epoch of the prepared
     dataset (train + val tokens; each epoch runs the target again)."""
-    from draftline.extract.run import aux_layer_ids_for, target_info
-    from draftline.utils import read_json
-
     target = target_info(cfg, Path(target_dir))
     aux_layer_ids = aux_layer_ids_for(cfg, target)
     per_token = streamed_bytes_per_token(len(aux_layer_ids), target.hidden_size, cfg.extract.dtype)

@@ -15,7 +15,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml
+from draftline.data.prepare import load_split, prepare, tokenizer_fingerprint
 from draftline.extract.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -32,22 +34,13 @@ from draftline.extract.shards import (
 )
 from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
+from draftline.raycluster import ensure_ray
+from draftline.target.aux_layers import family_of
+from draftline.target.load import read_target_config, resolve_aux_layer_ids, resolve_target_dir, target_fingerprint
 from draftline.target.stages import remove_stage_groups
-from draftline.utils import (
-    StorageFullError,
-    StorageFullSink,
-    actor_on_driver_node,
-    fault_action_from_env,
-    is_uri,
-    read_json,
-    stable_hash,
-)
+from draftline.utils import StorageFullError, StorageFullSink, actor_on_driver_node, is_uri, read_json, stable_hash
 
 DEFAULT_SPLITS = ("train", "val")
-# Test hook: make a worker die like a SIGKILLed process (or hold, see utils.FAULT_ACTION_ENV) after N shards, once per
-# marker file (tests/e2e).
-FAULT_AFTER_SHARDS_ENV = "DRAFTLINE_EXTRACT_FAULT_AFTER_SHARDS"
-FAULT_MARKER_ENV = "DRAFTLINE_EXTRACT_FAULT_MARKER"
 
 
 def _log(msg: str) -> None:
@@ -86,8 +79,6 @@ class SplitResult:
 
 
 def target_info(cfg: DraftlineConfig, target_dir: Path | None = None) -> TargetInfo:
-    from draftline.target.load import read_target_config, resolve_target_dir, target_fingerprint
-
     target_dir = Path(target_dir) if target_dir is not None else resolve_target_dir(cfg)
     hf_config = read_target_config(target_dir)
     return TargetInfo(
@@ -101,9 +92,6 @@ def target_info(cfg: DraftlineConfig, target_dir: Path | None = None) -> TargetI
 
 
 def aux_layer_ids_for(cfg: DraftlineConfig, target: TargetInfo) -> list[int]:
-    from draftline.target.aux_layers import family_of
-    from draftline.target.load import read_target_config, resolve_aux_layer_ids
-
     return resolve_aux_layer_ids(cfg, target.num_layers, family_of(read_target_config(target.target_dir)))
 
 
@@ -123,9 +111,7 @@ def extraction_hash(cfg: DraftlineConfig, dataset_hash: str, target: TargetInfo,
     )[:16]
 
 
-def _check_dataset_matches_target(dataset_dir: Path, target: TargetInfo) -> dict:
-    from draftline.data.prepare import tokenizer_fingerprint
-
+def check_dataset_matches_target(dataset_dir: Path, target: TargetInfo) -> dict:
     manifest_path = dataset_dir / "manifest.json"
     if not manifest_path.exists():
         raise FileNotFoundError(f"{dataset_dir} has no manifest.json: run `draftline prepare` first (or pass its output dir)")
@@ -136,16 +122,6 @@ def _check_dataset_matches_target(dataset_dir: Path, target: TargetInfo) -> dict
             "run `draftline prepare` with this config and extract from its output"
         )
     return dataset_manifest
-
-
-def _fault_injection_from_env() -> dict | None:
-    after = os.environ.get(FAULT_AFTER_SHARDS_ENV)
-    if not after:
-        return None
-    marker = os.environ.get(FAULT_MARKER_ENV)
-    if not marker:
-        raise RuntimeError(f"{FAULT_AFTER_SHARDS_ENV} is set but {FAULT_MARKER_ENV} is not; set both or neither")
-    return {"after_shards": int(after), "marker": marker, "action": fault_action_from_env()}
 
 
 def _records_if_all_present(storage: Storage, total_shards: int) -> list[ShardRecord] | None:
@@ -277,7 +253,7 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
             "config": cfg.model_dump(mode="json"),
             "plan": plan,
             "splits": splits,
-            "fault_injection": _fault_injection_from_env(),
+            "fault": faults.planned("extract.shards"),
             "storage_full_sink": storage_full_sink,
         },
         scaling_config=ScalingConfig(
@@ -425,8 +401,6 @@ def extract_splits(
     aux_layer_ids: list[int],
     root: Storage,
 ) -> dict[str, SplitResult]:
-    from draftline.data.prepare import load_split
-
     results: dict[str, SplitResult] = {}
     jobs: list[SplitJob] = []
     for split in splits:
@@ -508,13 +482,10 @@ class ExtractResult:
 def extract_with_stats(
     cfg: DraftlineConfig, dataset_dir: str | os.PathLike | None = None, split: str | None = None
 ) -> ExtractResult:
-    from draftline.data.prepare import prepare
-    from draftline.raycluster import ensure_ray
-
     splits = DEFAULT_SPLITS if split in (None, "all") else (split,)
     target = target_info(cfg)
     dataset_dir = Path(dataset_dir) if dataset_dir is not None else prepare(cfg, target.target_dir)
-    dataset_manifest = _check_dataset_matches_target(dataset_dir, target)
+    dataset_manifest = check_dataset_matches_target(dataset_dir, target)
     aux_layer_ids = aux_layer_ids_for(cfg, target)
     dataset_hash = dataset_manifest.get("dataset_hash", dataset_dir.name)
     root = hidden_root(cfg).child(extraction_hash(cfg, dataset_hash, target, aux_layer_ids))

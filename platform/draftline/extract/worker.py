@@ -6,16 +6,15 @@ can call them in-process.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from draftline.config import DraftlineConfig
 from draftline.extract.shards import (
     TORCH_DTYPES,
     EncodedShard,
@@ -27,9 +26,11 @@ from draftline.extract.shards import (
     write_shard,
 )
 from draftline.extract.storage import Storage
-from draftline.utils import StorageFullError, hold_until_killed
+from draftline.faults import Fault
 from draftline.target.capture import capture_aux_hidden
+from draftline.target.load import load_target
 from draftline.target.stages import PipelinedTarget
+from draftline.utils import StorageFullError
 
 
 @dataclass
@@ -158,7 +159,7 @@ def run_worker_shards(
     world_size: int,
     plan: dict,
     device: torch.device | str = "cpu",
-    fault_injection: dict | None = None,
+    fault: Fault | None = None,
 ) -> dict:
     """Write every shard this rank owns that is not already complete. Returns counts for the log.
 
@@ -174,7 +175,8 @@ def run_worker_shards(
     def wait_for_write() -> None:
         pending.result()
         counts["written"] += 1
-        _maybe_inject_fault(fault_injection, counts["written"])
+        if fault is not None:
+            fault.fire(counts["written"], f"extraction worker {rank}")
 
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
@@ -205,30 +207,11 @@ def run_worker_shards(
     return counts
 
 
-def _maybe_inject_fault(fault_injection: dict | None, shards_written: int) -> None:
-    """Test hook (DRAFTLINE_EXTRACT_FAULT_* env vars on the driver): die like a killed process, or hold to be killed
-    with the whole node (DRAFTLINE_TEST_FAULT_ACTION=hold), once per marker file."""
-    if not fault_injection or shards_written < fault_injection["after_shards"]:
-        return
-    marker = Path(fault_injection["marker"])
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(marker, "x") as handle:  # exclusive create: only the first worker to get here dies, and only once
-            handle.write(f"worker pid {os.getpid()} exited after {shards_written} shards\n")
-    except FileExistsError:
-        return
-    if fault_injection.get("action") == "hold":
-        hold_until_killed(marker, f"worker pid {os.getpid()} holding after {shards_written} shards")
-    os._exit(137)
-
-
 def load_capture_model(cfg, plan: dict, device: torch.device, who: str, slot: str):
     """What `_captured` runs: the target on `device` in this process, or (extract.pipeline) a `PipelinedTarget`
     whose stage actors hold it, its placement group named `<plan's stage_groups>-<slot>` (the driver removes the
     run's groups when it is done). Used by the offline extraction workers and the online target actors alike;
     either way the target files must have the fingerprint the driver saw."""
-    from draftline.target.load import load_target
-
     torch.set_num_threads(max(1, int(cfg.extract.cpus_per_worker)))
     if cfg.extract.pipeline is not None:
         # This process drives one pipeline; its stage actors hold the target (and the GPUs), each checks the files.
@@ -252,8 +235,6 @@ def extract_loop_per_worker(loop_config: dict) -> None:
     import ray
     import ray.train
     import ray.train.torch
-
-    from draftline.config import DraftlineConfig
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
@@ -283,7 +264,7 @@ def _extract_splits_of_worker(model, loop_config: dict, rank: int, world_size: i
             world_size,
             split_plan,
             device,
-            loop_config.get("fault_injection"),
+            loop_config.get("fault"),
         )
         print(
             f"[extract] worker {rank}/{world_size} {split['split']}: wrote {counts['written']} shards, skipped "

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from draftline.cli import add_config_args, config_from_args
+from draftline.release import sync_serving_to_champion
+from draftline.serving.control import serve_champion
+
 
 def _serve_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-    from draftline.release import sync_serving_to_champion
-    from draftline.serving.control import serve_champion
-
     cfg = config_from_args(args)
     # RegistryError and ServingError are cli.main's one line, exit 1.
     if args.roll:
@@ -28,8 +28,6 @@ def _serve_command(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from draftline.cli import add_config_args
-
     parser = subparsers.add_parser(
         "serve",
         help="serve the champion drafter (OpenAI-compatible, Ray Serve)",

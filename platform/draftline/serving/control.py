@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from draftline.config import DraftlineConfig, shown_config
+from draftline.raycluster import adopt_auth, connect_local_cluster, ensure_ray, write_local_token
 from draftline.serving.app import APP_NAME, ENGINE_APPS, auth_token_sha256_from_env, build_app
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.openai_api import INGRESS_DEPLOYMENT
@@ -191,8 +192,6 @@ def wait_until_serving(
 def _write_state(cfg: DraftlineConfig, ray_mode: str) -> None:
     import ray
 
-    from draftline.raycluster import write_local_token
-
     # The token of a local cluster lives only in this process's environment; other local processes of the user
     # (`draftline promote` in another shell) read it from a 0600 file. A real cluster's token is the user's own.
     token_path = write_local_token(cfg.data_path("serve", "ray_auth_token")) if ray_mode == "local" else None
@@ -259,8 +258,6 @@ def serve_champion(cfg: DraftlineConfig, blocking: bool = False) -> str:
     blocking=True keeps this process (and a local Ray it started) alive until interrupted.
     """
     from ray import serve
-
-    from draftline.raycluster import ensure_ray
 
     ray_mode = ensure_ray(cfg)
     start_serve(cfg)
@@ -359,8 +356,6 @@ def connect_to_serving(cfg: DraftlineConfig) -> bool:
     if ray.is_initialized():
         return True
     if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
-        from draftline.raycluster import ensure_ray
-
         ensure_ray(cfg)
         return True
     path = state_path(cfg)
@@ -369,7 +364,6 @@ def connect_to_serving(cfg: DraftlineConfig) -> bool:
     state = json.loads(path.read_text())
     if state.get("local_cluster") and not _process_alive(state["pid"]):
         return False  # the local Ray of a `draftline serve` that has exited
-    from draftline.raycluster import adopt_auth, connect_local_cluster
 
     adopt_auth(state.get("ray_auth_mode", ""), state.get("ray_auth_token_path"))
     try:

@@ -23,11 +23,13 @@ from typing import Any, AsyncIterator, Optional
 
 from ray import serve
 
-from draftline.config import DraftlineConfig
+from draftline.config import DraftlineConfig, SpeculativeConfig
+from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
 from draftline.serving.metrics import EngineMetrics
 from draftline.serving.openai_schema import ServedVersion
 from draftline.serving.served_model import ServedModel
+from draftline.target.load import resolve_target_dir
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,13 +38,12 @@ ENGINE_DEPLOYMENT = "DraftlineEngine"
 
 async def start_engine(cfg: DraftlineConfig, target_dir: Path, wanted: ServedModel) -> Any:
     """Construct, start and health-check the engine for `wanted` (the one place replicas build engines)."""
-    from draftline.engines import make_engine
-
     engine = make_engine(
         cfg,
         target_dir,
         drafter_dir=Path(wanted.export_dir) if wanted.export_dir else None,
         model_version=wanted.model_version,
+        speculative=SpeculativeConfig(**wanted.speculative) if wanted.speculative else None,
     )
     await engine.start()
     if not await engine.health():
@@ -88,8 +89,6 @@ class EngineServer:
     """One engine (SGLang on GPU, the reference engine on CPU) per replica; the version comes from user_config."""
 
     def __init__(self, config: dict) -> None:
-        from draftline.target.load import resolve_target_dir
-
         self._cfg = DraftlineConfig.model_validate(config)
         self._target_dir = resolve_target_dir(self._cfg)
         self._live: Optional[_LiveEngine] = None

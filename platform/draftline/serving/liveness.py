@@ -14,7 +14,11 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from draftline.config import DraftlineConfig
-from draftline.raycluster import configured_ray_address
+from draftline.raycluster import configured_ray_address, ensure_ray
+from draftline.registry import RegistryError
+from draftline.serving.app import APP_NAME
+from draftline.serving.control import ServingError, api_headers, base_url, state_path
+from draftline.serving.served_model import resolve_served_model
 from draftline.utils import read_json
 
 
@@ -26,7 +30,6 @@ def current_cluster(cfg: DraftlineConfig) -> Optional[dict]:
     if not ray.is_initialized():
         if not configured_ray_address(cfg):
             return None
-        from draftline.raycluster import ensure_ray
 
         ensure_ray(cfg)
     context = ray.get_runtime_context()
@@ -36,8 +39,6 @@ def current_cluster(cfg: DraftlineConfig) -> Optional[dict]:
 def served_model(cfg: DraftlineConfig, url: str) -> dict:
     """What `GET {url}/v1/models` reports: {"registered_model", "model_version", "backend"}; ServingError if not."""
     import httpx
-
-    from draftline.serving.control import ServingError, api_headers
 
     try:
         response = httpx.get(f"{url}/v1/models", headers=api_headers(cfg), timeout=30)
@@ -52,11 +53,6 @@ def serving_now(cfg: DraftlineConfig, recorded: dict) -> dict:
     """{"serving": True, url, registered_model, model_version, ray_address, ray_session} when the serve stage's
     record still holds for this run, else {"serving": False, "reason": why not}."""
     from ray import serve
-
-    from draftline.registry import RegistryError
-    from draftline.serving.app import APP_NAME
-    from draftline.serving.control import ServingError
-    from draftline.serving.served_model import resolve_served_model
 
     def no(reason: str) -> dict:
         return {"serving": False, "reason": reason}
@@ -109,8 +105,6 @@ def refuse_foreign_port(cfg: DraftlineConfig) -> None:
     before a run starts its own local Ray, so that it fails at once.
     """
     from ray import serve
-
-    from draftline.serving.control import ServingError, base_url, state_path
 
     url = base_url(cfg)
     parts = urlsplit(url)

@@ -45,6 +45,7 @@ from draftline.serving.openai_schema import (
     Usage,
     new_request_id,
 )
+from draftline.target.load import resolve_target_dir
 
 logger = logging.getLogger("ray.serve")
 
@@ -144,8 +145,6 @@ class RequestValidator:
 
     def __init__(self, cfg: DraftlineConfig, auth_token_sha256: Optional[str] = None) -> None:
         from transformers import AutoConfig, AutoTokenizer
-
-        from draftline.target.load import resolve_target_dir
 
         self._cfg = cfg
         target_dir = resolve_target_dir(cfg)

@@ -28,8 +28,6 @@ from draftline.serving.openai_schema import ErrorBody, ErrorResponse
 
 logger = logging.getLogger("ray.serve")
 
-CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK = "draftline.serving.proxy_replay.middlewares"
 RETRY_ENV = "DRAFTLINE_INGRESS_RETRY_S"
 REPLAY_MAX_BYTES = 8 << 20
 FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.25, 2.0
@@ -40,7 +38,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 def middlewares() -> list:
-    """The proxy callback (CALLBACK): Ray calls it in the proxy process and wraps its ASGI app in what it returns."""
+    """The proxy callback (raycluster.SERVE_PROXY_CALLBACK names it): Ray calls it in the proxy process and wraps
+    its ASGI app in what it returns."""
     from starlette.middleware import Middleware
 
     return [Middleware(ReplayUnansweredRequests)]

@@ -98,20 +98,21 @@ class FirstIdOneShiftRule(AuxIdRule):
 
 
 register_rule(AuxIdRule("sglang", DEFAULT_FAMILY, 0, _llama_default_inputs, "sglang srt/models/llama.py 0.5.6-0.5.23"))
-# Per model file, read in 0.5.6, 0.5.12 and 0.5.23: qwen3.py and qwen3_moe.py (via qwen2_moe's model) shift by +1
-# like llama.py; deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2, and Kimi-K2.5's language model) does until 0.5.12.
+# Per model file, read in 0.5.6, 0.5.12, 0.5.14 (SpecForge 0.2.0's pin) and 0.5.23: qwen3.py and qwen3_moe.py (via
+# qwen2_moe's model) shift by +1 like llama.py; deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2, and Kimi-K2.5's language
+# model) does until 0.5.12, and from 0.5.14 only a list starting at 1.
 for _family in ("qwen3", "qwen3_moe"):
     register_rule(AuxIdRule("sglang", _family, 0, _llama_default_inputs, f"sglang srt/models/{_family}.py 0.5.6-0.5.23"))
 for _family in ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25"):
     register_rule(AuxIdRule("sglang", _family, 0, _llama_default_inputs, "sglang srt/models/deepseek_v2.py 0.5.6-0.5.12",
                             versions=("0.5.6", "0.5.12")))  # fmt: skip
     register_rule(FirstIdOneShiftRule("sglang", _family, 0, _llama_default_inputs, "sglang srt/models/deepseek_v2.py 0.5.23",
-                                      versions=("0.5.23",)))  # fmt: skip
+                                      versions=("0.5.14", "0.5.23")))  # fmt: skip
 # vLLM 0.32.0: every family appends the stream entering layer k (llama.py and qwen2/qwen3/qwen3_moe through
 # interfaces.py's EagleModelMixin, deepseek_v2.py its own loop `if idx in self.aux_hidden_state_layers`).
 register_rule(AuxIdRule("vllm", DEFAULT_FAMILY, 1, _llama_default_inputs, "vllm model_executor/models/llama.py 0.32.0"))
 # Qwen3 runs Qwen2Model.forward (qwen2.py), the same loop, and SupportsEagle3's default layers (2, n//2, n-3);
-# tests/test_aux_layers.py runs both from the installed vLLM.
+# tests/integration/test_aux_layers.py runs both from the installed vLLM.
 register_rule(AuxIdRule("vllm", "qwen3", 1, _llama_default_inputs, "vllm model_executor/models/qwen2.py (Qwen3Model) 0.32.0"))
 # The reference engine captures exactly what extraction captures (one shared definition in target/capture.py).
 register_rule(AuxIdRule("reference", DEFAULT_FAMILY, 0, _llama_default_inputs, "draftline target/capture.py"))

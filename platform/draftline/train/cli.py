@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from draftline.cli import add_config_args, config_from_args, print_error
 from draftline.config import ConfigError, DraftlineConfig
+from draftline.data.prepare import prepare
+from draftline.extract.run import extract
+from draftline.extract.shards import IncompatibleHiddenStates, ShardError
+from draftline.target.load import resolve_target_dir
+from draftline.train.run import train
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
-    from draftline.cli import add_config_args
-
     add_config_args(parser)
     parser.add_argument("--hidden-dir", default=None, help="<hidden_root>/<hash> from `draftline extract` (default: run/find it for the config)")
     parser.add_argument("--dataset-dir", default=None, help="prepared dataset dir (default: run/find `draftline prepare` for the config)")
@@ -18,13 +22,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(cfg: DraftlineConfig, hidden_dir: str | None, dataset_dir: str | None, target_dir: str | None) -> int:
-    from draftline.cli import print_error
-    from draftline.data.prepare import prepare
-    from draftline.extract.run import extract
-    from draftline.extract.shards import IncompatibleHiddenStates, ShardError
-    from draftline.target.load import resolve_target_dir
-    from draftline.train.run import train
-
     try:
         target_dir = target_dir or resolve_target_dir(cfg)
         dataset_dir = dataset_dir or prepare(cfg, target_dir)
@@ -42,8 +39,6 @@ def run_train(cfg: DraftlineConfig, hidden_dir: str | None, dataset_dir: str | N
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-
     return run_train(config_from_args(args), args.hidden_dir, args.dataset_dir, args.target_dir)
 
 

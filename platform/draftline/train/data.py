@@ -1,12 +1,5 @@
-"""What a training worker reads: hidden-state samples in a deterministic per-step order, and the frozen target head.
-
-Sample order. Global step s consumes world_size * micro_batch_size sample positions; position p belongs to epoch
-p // N and is sample order_e[p % N] of that epoch. Rank r takes positions s*W*B + r*B .. + B. The order is a
-function of (seed, step, rank, world size) only, so a worker restarted from a checkpoint at step s reads exactly what
-it would have read without the failure: the checkpoint stores the step, not an iterator.
-order_e shuffles the shards, then the samples inside each shard (seeded per epoch): consecutive positions come from
-the same shard, so a worker loads each shard about once per epoch instead of once per sample (shards are tens of MB
-to GB; the reader keeps one in memory).
+"""What a training worker reads: hidden-state samples in the training order (train/order.py), and the frozen target
+head.
 
 Frozen target head. The drafter's input embeddings come from the target's embedding and its training targets from
 the target's lm_head over `final_hidden`; only those two matrices are read from the target's safetensors (not the
@@ -22,56 +15,21 @@ from typing import Sequence
 
 import torch
 
+from draftline.extract.shards import HiddenStateShards
+from draftline.train.order import sample_indices_for_step, val_indices_for_rank
+
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+FINAL_NORM_NAMES = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight")
 VOCAB_CHUNK = 16384  # target ids per block of target logits: [B*L, 16384] fp32 is 128 MiB at 2K tokens
-
-
-def epoch_order(shard_sizes: Sequence[int], epoch: int, seed: int) -> torch.Tensor:
-    """Sample ids of one epoch: shards in a seeded random order, samples shuffled within each shard."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    starts = [0]
-    for size in shard_sizes:
-        starts.append(starts[-1] + size)
-    pieces = []
-    for shard in torch.randperm(len(shard_sizes), generator=generator).tolist():
-        pieces.append(starts[shard] + torch.randperm(shard_sizes[shard], generator=generator))
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-
-
-def sample_indices_for_step(
-    step: int, rank: int, world_size: int, micro_batch_size: int, shard_sizes: Sequence[int], seed: int,
-    orders: dict[int, torch.Tensor] | None = None,
-) -> list[int]:
-    """Sample ids rank `rank` trains on at `step` (0-based); see the module docstring for the order. `orders` caches
-    epoch orders across calls (epoch -> order) for a caller that walks many steps."""
-    num_samples = sum(shard_sizes)
-    if num_samples < 1:
-        raise ValueError("the train split has no samples: extract hidden states for a non-empty train split")
-    first = (step * world_size + rank) * micro_batch_size
-    indices = []
-    orders = {} if orders is None else orders
-    for position in range(first, first + micro_batch_size):
-        epoch = position // num_samples
-        if epoch not in orders:
-            orders[epoch] = epoch_order(shard_sizes, epoch, seed)
-        indices.append(int(orders[epoch][position % num_samples]))
-    return indices
-
-
-def val_indices_for_rank(num_samples: int, rank: int, world_size: int) -> range:
-    """A contiguous slice per rank (few shard loads); every sample is seen exactly once per validation."""
-    return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
 
 
 class ShardSamples:
     """A training worker's samples from hidden-state shards (offline mode). The online stream
-    (`draftline.extract.online.StreamReader`) hands out the same samples in the same micro-batches."""
+    (`draftline.train.stream.StreamReader`) hands out the same samples in the same micro-batches."""
 
     def __init__(self, train_location: str, val_location: str, rank: int, world_size: int, micro_batch_size: int,
                  seed: int):
-        from draftline.extract.shards import HiddenStateShards
-
         self.train = HiddenStateShards(train_location)
         self.val = HiddenStateShards(val_location)
         self.shard_sizes = [s["samples"] for s in self.train.manifest["shards"]]
@@ -176,15 +134,18 @@ def collate(samples: Sequence[dict], packing: bool = False, row_tokens: int | No
 
 
 class TargetHead:
-    """The target's frozen token embedding [Vt, H] and lm_head [Vt, H], read alone from its safetensors."""
+    """The target's frozen token embedding [Vt, H] and lm_head [Vt, H], read alone from its safetensors, and its
+    final norm's weight [H] (None when the weights have none under a known name)."""
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 final_norm_weight: torch.Tensor | None = None):
         if embed_weight.shape != lm_head_weight.shape:
             raise ValueError(
                 f"target embedding {tuple(embed_weight.shape)} and lm_head {tuple(lm_head_weight.shape)} differ in shape"
             )
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
+        self.final_norm_weight = final_norm_weight
 
     @property
     def vocab_size(self) -> int:
@@ -195,7 +156,8 @@ class TargetHead:
         return self.embed_weight.shape[1]
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "TargetHead":
-        return TargetHead(self.embed_weight.to(device, dtype), self.lm_head_weight.to(device, dtype))
+        norm = self.final_norm_weight.to(device, dtype) if self.final_norm_weight is not None else None
+        return TargetHead(self.embed_weight.to(device, dtype), self.lm_head_weight.to(device, dtype), norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(input_ids, self.embed_weight)
@@ -277,4 +239,4 @@ def load_target_head(target_dir: str | Path) -> TargetHead:
                 "config.json does not set tie_word_embeddings"
             )
         lm_head = embed
-    return TargetHead(embed, lm_head)
+    return TargetHead(embed, lm_head, _read_tensor(where, FINAL_NORM_NAMES))

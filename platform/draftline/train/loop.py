@@ -3,7 +3,7 @@
 Every attempt starts in `train_loop_per_worker`. With a Ray Train checkpoint present (a restart after a failure, or a
 rerun of the same training) the worker loads DeepSpeed's state (weights, optimizer, scheduler), the step counter,
 the best validation score and its RNG states from it, and continues: the sample order is a function of the step
-(see draftline.train.data), so nothing else needs restoring.
+(draftline.train.order), so nothing else needs restoring.
 
 A checkpoint is reported at every `checkpoint_every` steps, at the last step, and whenever a validation beats the
 best so far; each checkpoint carries fresh validation metrics of the weights it holds, so Ray's
@@ -15,10 +15,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import random
 import shutil
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -28,19 +26,23 @@ import numpy as np
 import torch
 from torch import nn
 
+from draftline.drafter.export import save_drafter_checkpoint
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import est_accept_len, ttt_loss
-from draftline.train.data import Batch, ShardSamples, TargetHead, collate
-from draftline.utils import StorageFullError, hold_until_killed, raise_if_storage_full
+from draftline.extract.online import stream_dataset_name
+from draftline.faults import Fault
+from draftline.train.data import Batch, ShardSamples, TargetHead, collate, load_target_head
+from draftline.train.deepspeed_ops import ensure_shm_comm_op
+from draftline.train.job import TrainingJob
+from draftline.train.order import is_checkpoint_step, is_validation_step
+from draftline.train.stream import StreamReader
+from draftline.utils import StorageFullError, raise_if_storage_full
 
 DEEPSPEED_TAG = "deepspeed"
 TRAIN_STATE_FILE = "train_state.json"
 DRAFTER_SUBDIR = "drafter"
 RNG_SUBDIR = "rng"
 SCORE_METRIC = "val_est_accept_len"
-# Test hook (tests/e2e/test_train_fault.py): the last rank SIGKILLs itself at this step, once per marker file.
-KILL_AT_STEP_ENV = "DRAFTLINE_TEST_KILL_AT_STEP"
-KILL_MARKER_ENV = "DRAFTLINE_TEST_KILL_MARKER"
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -110,15 +112,6 @@ def deepspeed_config(train_cfg: Any) -> dict:
         "bf16": {"enabled": train_cfg.dtype == "bfloat16"},
         "steps_per_print": 1 << 30,
     }
-
-
-def is_checkpoint_step(step: int, train_cfg: Any) -> bool:
-    """`step` counts finished optimizer steps (1-based)."""
-    return step % train_cfg.checkpoint_every == 0 or step == train_cfg.max_steps
-
-
-def is_validation_step(step: int, train_cfg: Any) -> bool:
-    return step % train_cfg.val_every == 0 or is_checkpoint_step(step, train_cfg)
 
 
 class StepMetrics:
@@ -253,8 +246,6 @@ def _set_rng_state(state: dict) -> None:
 
 def save_drafter_weights(engine, directory: Path, rank: int, zero_stage: int) -> None:
     """Rank 0 writes the drafter alone (drafter_state.pt + drafter_config.json) for export_from_checkpoint."""
-    from draftline.drafter.export import save_drafter_checkpoint
-
     drafter = engine.module.drafter
     if zero_stage == 3:
         import deepspeed
@@ -311,54 +302,51 @@ def wait_for_committed_checkpoints() -> None:
     ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
 
 
-def maybe_kill_for_test(fault: dict | None, step: int, rank: int, world_size: int,
-                        wait_for_checkpoints=wait_for_committed_checkpoints) -> None:
-    """Test hook: the last rank dies like a SIGKILLed process at `kill_at_step` (or, with action "hold", waits to be
-    killed with its node), once per marker file, after the checkpoints reported before are committed (so the test
-    checks resume from a known checkpoint)."""
-    if not fault or step != fault["kill_at_step"] or rank != world_size - 1:
-        return
-    marker = Path(fault["marker"])
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(marker, "x") as handle:  # exclusive create: only the first attempt dies
-            handle.write(f"rank {rank} pid {os.getpid()} killed at step {step}\n")
-    except FileExistsError:
-        return
-    wait_for_checkpoints()
-    if fault.get("action") == "hold":
-        hold_until_killed(marker, f"rank {rank} pid {os.getpid()} holding at step {step}")
-    os.kill(os.getpid(), signal.SIGKILL)
+def fire_fault(fault: Fault | None, step: int, rank: int, world_size: int,
+               wait_for_checkpoints=wait_for_committed_checkpoints) -> None:
+    """The "train.step" fault (draftline.faults) on the last rank, after the checkpoints reported before are
+    committed, so a test checks resume from a known checkpoint."""
+    if fault is not None and rank == world_size - 1:
+        fault.fire(step, f"rank {rank}", before=wait_for_checkpoints)
 
 
-def build_drafter(loop_config: dict, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
-    drafter = Eagle3Drafter(DrafterConfig.from_dict(loop_config["drafter_config"]))
+def build_drafter(drafter_config: DrafterConfig, head: TargetHead, d2t: torch.Tensor, t2d: torch.Tensor,
+                  init_norm_from_target: bool = False) -> Eagle3Drafter:
+    drafter = Eagle3Drafter(drafter_config)
     drafter.set_vocab(d2t, t2d)
     with torch.no_grad():
         # Start the draft lm_head as the target's own rows for the draft vocab: the drafter's first job is to
         # predict what the target predicts, and this head already maps target-like states to target logits.
         drafter.lm_head.weight.copy_(head.lm_head_weight[t2d.bool()].to(drafter.lm_head.weight.dtype))
+        if init_norm_from_target:
+            drafter.norm.weight.copy_(target_final_norm(head, drafter).to(drafter.norm.weight.dtype))
     return drafter
 
 
-def worker_samples(loop_config: dict, cfg, rank: int, world_size: int, resume_step: int):
+def target_final_norm(head: TargetHead, drafter: Eagle3Drafter) -> torch.Tensor:
+    """The target's final norm weight, which scales what its lm_head (the drafter's starting head) reads."""
+    width = drafter.norm.weight.shape[0]
+    if head.final_norm_weight is None or head.final_norm_weight.shape[0] != width:
+        found = None if head.final_norm_weight is None else tuple(head.final_norm_weight.shape)
+        raise ValueError(f"train.init_norm_from_target: the target's final norm weight is {found}, the drafter's norm "
+                         f"has width {width}; set train.init_norm_from_target=false")
+    return head.final_norm_weight
+
+
+def worker_samples(job: TrainingJob, rank: int, world_size: int, resume_step: int):
     """Where this worker's samples come from: the shards (offline), or its stream of the target's states (online),
-    which starts after `resume_step` (draftline.extract.online)."""
-    if loop_config.get("online") is None:
-        return ShardSamples(loop_config["train_location"], loop_config["val_location"], rank, world_size,
-                            cfg.train.micro_batch_size, cfg.seed)
+    which starts after `resume_step` (draftline.train.stream)."""
+    cfg, online = job.cfg, job.online
+    if online is None:
+        return ShardSamples(job.train_location, job.val_location, rank, world_size, cfg.train.micro_batch_size, cfg.seed)
     import ray
     import ray.train
 
-    from draftline.extract.online import StreamReader, stream_dataset_name
-
-    online = loop_config["online"]
     # Before the first read: the stream's first stage drops the rows of the steps already trained.
-    ray.get(online["cursor"].set_start.remote(rank, resume_step))
+    ray.get(online.cursor.set_start.remote(rank, resume_step))
     return StreamReader(
         ray.train.get_dataset_shard(stream_dataset_name(rank)), rank, world_size, cfg.train.micro_batch_size,
-        online["shard_sizes"], online["num_val_samples"], cfg.seed, cfg.extract.dtype,
-        cfg.extract.online.prefetch_blocks,
+        online.shard_sizes, online.num_val_samples, cfg.seed, cfg.extract.dtype, cfg.extract.online.prefetch_blocks,
     )  # fmt: skip
 
 
@@ -371,28 +359,26 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray
     import ray.train
 
-    sink = loop_config.get("storage_full_sink")
+    job = TrainingJob.from_loop_config(loop_config)
+    sink = job.storage_full_sink
     if sink is not None and ray.get(sink.messages.remote()):
         return
     try:
-        _train(loop_config)
+        _train(job)
     except StorageFullError as err:
         if sink is not None:
             ray.get(sink.add.remote(str(err)))
         raise
 
 
-def _train(loop_config: dict) -> None:
+def _train(job: TrainingJob) -> None:
     import deepspeed
     import ray.train
     import ray.train.torch
 
-    from draftline.config import DraftlineConfig
-    from draftline.train.data import load_target_head
-
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    cfg = DraftlineConfig.model_validate(loop_config["config"])
+    cfg = job.cfg
     train_cfg = cfg.train
     dtype = _TORCH_DTYPES[train_cfg.dtype]
     if train_cfg.use_gpu:
@@ -403,11 +389,11 @@ def _train(loop_config: dict) -> None:
         torch.set_num_threads(max(1, int(train_cfg.cpus_per_worker)))
     torch.manual_seed(cfg.seed)
 
-    d2t, t2d = loop_config["d2t"], loop_config["t2d"]
-    head = load_target_head(loop_config["target_dir"]).to(device, dtype)
+    d2t, t2d = job.d2t, job.t2d
+    head = load_target_head(job.target_dir).to(device, dtype)
     t2d_device = t2d.to(device)
 
-    drafter = build_drafter(loop_config, head, d2t, t2d)
+    drafter = build_drafter(job.drafter_config, head, d2t, t2d, cfg.train.init_norm_from_target)
     objective = objective_for(drafter, train_cfg)
     make_batch = batch_maker(train_cfg)
     optimizer = torch.optim.AdamW(
@@ -416,6 +402,7 @@ def _train(loop_config: dict) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, train_cfg.warmup_steps, train_cfg.max_steps)
     )
+    ensure_shm_comm_op()
     engine, _, _, _ = deepspeed.initialize(
         model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(train_cfg)
     )
@@ -426,15 +413,14 @@ def _train(loop_config: dict) -> None:
         state = restore(engine, checkpoint, rank)
         state["resumes"] += 1
         _log(f"rank {rank}: resumed from step {state['step']} (resume #{state['resumes']})")
-    logger = MetricsLogger(loop_config["tracking_uri"], loop_config["run_id"], enabled=rank == 0)
+    logger = MetricsLogger(job.tracking_uri, job.run_id, enabled=rank == 0)
     if checkpoint is not None:
         logger.log({"resumed_at_step": state["step"]}, step=state["step"])
 
-    samples = worker_samples(loop_config, cfg, rank, world_size, resume_step=state["step"])
-    fault = loop_config.get("fault_injection")
+    samples = worker_samples(job, rank, world_size, resume_step=state["step"])
     attempt_totals = StepMetrics(train_cfg.ttt_steps)  # padding over this attempt's steps, all ranks
     while state["step"] < train_cfg.max_steps:
-        maybe_kill_for_test(fault, state["step"] + 1, rank, world_size)
+        fire_fault(job.fault, state["step"] + 1, rank, world_size)
         started = time.perf_counter()
         batch = make_batch(samples.train_samples(state["step"])).to(device, dtype)
         loss, metrics = engine(*objective_inputs(batch, head, t2d_device, dtype))
@@ -485,7 +471,7 @@ def _train(loop_config: dict) -> None:
             if improved or is_checkpoint_step(step, train_cfg):
                 logger.flush()  # metrics up to a checkpoint are in MLflow before the checkpoint exists
                 report = {**val_metrics, "step": step, "tokens_seen": state["tokens_seen"]}
-                save_and_report(engine, state, report, rank, train_cfg.zero_stage, loop_config["checkpoint_location"])
+                save_and_report(engine, state, report, rank, train_cfg.zero_stage, job.checkpoint_location)
         if step % train_cfg.log_every == 0:
             logger.flush()
     if attempt_totals.tokens:

@@ -19,13 +19,28 @@ from typing import Any
 
 import torch
 
+from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, shown_config, write_resolved
+from draftline.data.prepare import load_split, load_vocab
+from draftline.drafter.export import export_from_checkpoint
+from draftline.drafter.model import DrafterConfig
+from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for, streamed_bytes_per_token
+from draftline.extract.run import aux_layer_ids_for, capture_plan, check_dataset_matches_target, target_info
+from draftline.extract.shards import HiddenStateShards, ShardError
+from draftline.extract.worker import SplitTokens
+from draftline.raycluster import ensure_ray
+from draftline.target.load import target_fingerprint
+from draftline.target.stages import remove_stage_groups
+from draftline.tracking import DRAFTER_ARTIFACT_PATH, mlflow_client, register_export, setup_mlflow
+from draftline.train.job import OnlineStream, TrainingJob
+from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE, train_loop_per_worker
+from draftline.train.order import rank_stream_rows
 from draftline.utils import (
     StorageFullError,
     StorageFullSink,
     actor_on_driver_node,
     atomic_write_json,
-    fault_action_from_env,
+    environment_restored,
     raise_if_storage_full,
     read_json,
     stable_hash,
@@ -34,6 +49,12 @@ from draftline.utils import (
 RESULT_FILE = "train_result.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 EXPORT_SUBDIR = "drafter"
+# Ray Train's deadline for one start of the worker group (it hands the variable on to its controller).
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+class WorkerStartTimeoutError(RuntimeError):
+    """The training worker group never started: the cluster did not fit it within train.start_timeout_s."""
 
 
 def _log(msg: str) -> None:
@@ -117,8 +138,6 @@ class TrainInputs:
 
 
 def _open_split(hidden_dir: str, split: str):
-    from draftline.extract.shards import HiddenStateShards, ShardError
-
     location = f"{str(hidden_dir).rstrip('/')}/{split}"
     try:
         shards = HiddenStateShards(location)
@@ -132,8 +151,6 @@ def _open_split(hidden_dir: str, split: str):
 def check_inputs(cfg: DraftlineConfig, hidden_dir: str | os.PathLike, dataset_dir: str | os.PathLike,
                  target_dir: str | os.PathLike) -> TrainInputs:
     from transformers import AutoConfig
-
-    from draftline.target.load import target_fingerprint
 
     target_dir, dataset_dir = Path(target_dir), Path(dataset_dir)
     fingerprint = target_fingerprint(target_dir)
@@ -174,8 +191,6 @@ def check_inputs(cfg: DraftlineConfig, hidden_dir: str | os.PathLike, dataset_di
 
 
 def _vocab(dataset_dir: Path, hf_config) -> tuple[torch.Tensor, torch.Tensor]:
-    from draftline.data.prepare import load_vocab
-
     d2t, t2d = load_vocab(dataset_dir)
     if t2d.shape[0] != int(hf_config.vocab_size):
         raise ConfigError(
@@ -188,15 +203,10 @@ def online_inputs(cfg: DraftlineConfig, dataset_dir: str | os.PathLike, target_d
     """extract.mode=online: no shards; the prepared splits' tokens and the capture plan go to the target actors."""
     from transformers import AutoConfig
 
-    from draftline.data.prepare import load_split
-    from draftline.extract.online import TRAIN, VAL, streamed_bytes_per_token
-    from draftline.extract.run import _check_dataset_matches_target, aux_layer_ids_for, capture_plan, target_info
-    from draftline.extract.worker import SplitTokens
-
     dataset_dir = Path(dataset_dir)
     target = target_info(cfg, Path(target_dir))
     hf_config = AutoConfig.from_pretrained(target.target_dir, trust_remote_code=cfg.target.trust_remote_code)
-    dataset_hash = _check_dataset_matches_target(dataset_dir, target)["dataset_hash"]
+    dataset_hash = check_dataset_matches_target(dataset_dir, target)["dataset_hash"]
     aux_layer_ids = aux_layer_ids_for(cfg, target)
     split_tokens = {TRAIN: SplitTokens.from_samples(load_split(dataset_dir, "train")),
                     VAL: SplitTokens.from_samples(load_split(dataset_dir, "val"))}
@@ -227,21 +237,10 @@ def training_hash(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
     """Changes whenever the trained weights could: train config, seed, target, dataset, hidden states."""
     train_section = cfg.train.model_dump(mode="json")
     # attention and packing change how the same loss is computed (float rounding), not what is trained.
-    for not_affecting in ("max_failures", "log_every", "storage_uri", "attention", "packing", "packed_row_tokens"):
+    for not_affecting in ("max_failures", "log_every", "storage_uri", "start_timeout_s", "collective_timeout_s",
+                          "attention", "packing", "packed_row_tokens"):
         train_section.pop(not_affecting)
     return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, inputs.hidden_key)[:16]
-
-
-def _fault_injection_from_env() -> dict | None:
-    from draftline.train.loop import KILL_AT_STEP_ENV, KILL_MARKER_ENV
-
-    step = os.environ.get(KILL_AT_STEP_ENV)
-    if not step:
-        return None
-    marker = os.environ.get(KILL_MARKER_ENV)
-    if not marker:
-        raise RuntimeError(f"{KILL_AT_STEP_ENV} is set but {KILL_MARKER_ENV} is not; set both or neither")
-    return {"kill_at_step": int(step), "marker": marker, "action": fault_action_from_env()}
 
 
 def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash: str, inputs: TrainInputs) -> str:
@@ -249,8 +248,6 @@ def _start_or_resume_mlflow_run(cfg: DraftlineConfig, out_dir: Path, train_hash:
     from mlflow import MlflowClient
     from mlflow.entities import Param, RunStatus
     from mlflow.exceptions import MlflowException
-
-    from draftline.tracking import setup_mlflow
 
     experiment_id = setup_mlflow(cfg)
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
@@ -297,8 +294,6 @@ def _cached_result(cfg: DraftlineConfig, out_dir: Path) -> TrainResult | None:
     store, e.g. a fresh MLflow server, gets the version registered again from the kept checkpoints)."""
     from mlflow.exceptions import MlflowException
 
-    from draftline.tracking import mlflow_client
-
     if not (out_dir / RESULT_FILE).is_file():
         return None
     result = TrainResult.from_record(read_json(out_dir / RESULT_FILE))
@@ -332,14 +327,43 @@ def checkpoint_storage_path(cfg: DraftlineConfig) -> str:
     return cfg.train.storage_uri or str(cfg.data_path("ray", "train"))
 
 
-def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online: dict | None = None):
+def _caused_by(err: BaseException, type_name: str) -> bool:
+    """Whether `err`, the exceptions it was raised from, or the failure a Ray Train error wraps is a `type_name`."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if type(current).__name__ == type_name:
+            return True
+        pending += [current.__cause__, current.__context__, getattr(current, "controller_failure", None)]
+    return False
+
+
+def worker_start_timeout_message(cfg: DraftlineConfig, resources_per_worker: dict) -> str:
+    import ray
+
+    train_cfg = cfg.train
+    timeout_s = float(os.environ.get(WORKER_GROUP_START_TIMEOUT_ENV, train_cfg.start_timeout_s))
+    free = {k: v for k, v in ray.available_resources().items() if k in resources_per_worker}
+    total = {k: v for k, v in ray.cluster_resources().items() if k in resources_per_worker}
+    return (
+        f"training workers did not start: Ray Train waited {timeout_s:g} s (train.start_timeout_s), "
+        f"{1 + train_cfg.max_failures} time(s), for {train_cfg.num_workers} worker(s) of {resources_per_worker} each; "
+        f"the cluster has {free} free of {total}. Free those resources (another job or a leftover placement group may "
+        "hold them: `ray status`), lower train.num_workers or train.cpus_per_worker, or raise train.start_timeout_s"
+    )
+
+
+def _run_workers(job: TrainingJob, run_name: str, online: dict | None = None):
     """trainer.fit(); a full disk in any worker raises StorageFullError with that worker's one line. `online`
     (TrainInputs.online): each worker reads a stream of the target's states instead of shards."""
+    cfg = job.cfg
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from draftline.train.loop import SCORE_METRIC, train_loop_per_worker
 
     train_cfg = cfg.train
     resources_per_worker = {"CPU": train_cfg.cpus_per_worker}
@@ -347,40 +371,45 @@ def _run_workers(cfg: DraftlineConfig, loop_config: dict, run_name: str, online:
         resources_per_worker["GPU"] = 1
     storage_full_sink = actor_on_driver_node(StorageFullSink)
     data_kwargs: dict = {}
+    stream = None
     if online is not None:
-        from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for
-
-        streams = build_streams(cfg, online["plan"], online["split_tokens"], train_cfg.num_workers)
+        shard_sizes = shard_sizes_for(len(online["split_tokens"][TRAIN]), cfg.extract.samples_per_shard)
+        num_val_samples = len(online["split_tokens"][VAL])
+        rows_per_rank = [rank_stream_rows(rank, train_cfg.num_workers, train_cfg, shard_sizes, num_val_samples, cfg.seed)
+                         for rank in range(train_cfg.num_workers)]  # fmt: skip
+        streams = build_streams(cfg, online["plan"], online["split_tokens"], rows_per_rank)
         data_kwargs = {"datasets": streams.datasets, "dataset_config": streams.data_config}
-        loop_config = {**loop_config, "online": {
-            "cursor": streams.cursor,
-            "shard_sizes": shard_sizes_for(len(online["split_tokens"][TRAIN]), cfg.extract.samples_per_shard),
-            "num_val_samples": len(online["split_tokens"][VAL]),
-        }}
+        stream = OnlineStream(streams.cursor, shard_sizes, num_val_samples)
+    job = job.with_run(f"{checkpoint_storage_path(cfg).rstrip('/')}/{run_name}", storage_full_sink, stream)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={**loop_config, "storage_full_sink": storage_full_sink,
-                           "checkpoint_location": f"{checkpoint_storage_path(cfg).rstrip('/')}/{run_name}"},
+        train_loop_config=job.to_loop_config(),
         **data_kwargs,
-        torch_config=TorchConfig(backend=train_cfg.backend),
+        torch_config=TorchConfig(backend=train_cfg.backend, timeout_s=int(train_cfg.collective_timeout_s)),
         scaling_config=ScalingConfig(
             num_workers=train_cfg.num_workers, use_gpu=train_cfg.use_gpu, resources_per_worker=resources_per_worker
         ),
         run_config=RunConfig(
             name=run_name,
             storage_path=checkpoint_storage_path(cfg),
-            failure_config=FailureConfig(max_failures=train_cfg.max_failures),
+            # A start that times out is a controller failure, which Ray Train retries forever unless limited.
+            failure_config=FailureConfig(max_failures=train_cfg.max_failures,
+                                         controller_failure_limit=train_cfg.max_failures),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=2, checkpoint_score_attribute=SCORE_METRIC, checkpoint_score_order="max"
             ),
         ),
     )
     try:
-        return trainer.fit()
+        with environment_restored(WORKER_GROUP_START_TIMEOUT_ENV):  # Ray Train hands it on to its controller
+            os.environ.setdefault(WORKER_GROUP_START_TIMEOUT_ENV, str(train_cfg.start_timeout_s))
+            return trainer.fit()
+    except Exception as err:
+        if _caused_by(err, "WorkerGroupStartupTimeoutError"):
+            raise WorkerStartTimeoutError(worker_start_timeout_message(cfg, resources_per_worker)) from err
+        raise
     finally:
         if online is not None:  # the target actors' stage groups (extract.pipeline): Ray keeps them until the job ends
-            from draftline.target.stages import remove_stage_groups
-
             remove_stage_groups(online["plan"]["stage_groups"])
         storage_full = ray.get(storage_full_sink.messages.remote())
         ray.kill(storage_full_sink)
@@ -409,12 +438,6 @@ def train(
     """Train, export the best checkpoint, log everything to MLflow and register a model version."""
     from mlflow import MlflowClient
 
-    from draftline.drafter.export import export_from_checkpoint
-    from draftline.drafter.model import DrafterConfig
-    from draftline.raycluster import ensure_ray
-    from draftline.tracking import DRAFTER_ARTIFACT_PATH, register_export
-    from draftline.train.loop import DRAFTER_SUBDIR, SCORE_METRIC, TRAIN_STATE_FILE
-
     if cfg.extract.mode == "online":
         inputs = online_inputs(cfg, dataset_dir, target_dir)
     else:
@@ -435,18 +458,11 @@ def train(
         intermediate_size=cfg.train.intermediate_size,
     )
     run_id = _start_or_resume_mlflow_run(cfg, out_dir, train_hash, inputs)
-    loop_config = {
-        "config": cfg.model_dump(mode="json"),
-        "train_location": inputs.train_location,
-        "val_location": inputs.val_location,
-        "target_dir": str(inputs.target_dir),
-        "d2t": inputs.d2t,
-        "t2d": inputs.t2d,
-        "drafter_config": drafter_config.to_dict(),
-        "tracking_uri": cfg.mlflow_tracking_uri,
-        "run_id": run_id,
-        "fault_injection": _fault_injection_from_env(),
-    }
+    job = TrainingJob(
+        cfg=cfg, target_dir=str(inputs.target_dir), d2t=inputs.d2t, t2d=inputs.t2d, drafter_config=drafter_config,
+        tracking_uri=cfg.mlflow_tracking_uri, run_id=run_id, train_location=inputs.train_location,
+        val_location=inputs.val_location, fault=faults.planned("train.step"),
+    )
     client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
     _log(
         f"{cfg.train.num_workers} worker(s) x {cfg.train.cpus_per_worker} CPU, gpu={cfg.train.use_gpu}, "
@@ -457,8 +473,8 @@ def train(
     ensure_ray(cfg)
     started = time.perf_counter()
     try:
-        ray_result = _run_workers(cfg, loop_config, run_name=f"train-{train_hash}", online=inputs.online)
-    except StorageFullError:
+        ray_result = _run_workers(job, run_name=f"train-{train_hash}", online=inputs.online)
+    except (StorageFullError, WorkerStartTimeoutError):  # no retry or rerun fixes these: their line says what does
         with contextlib.suppress(Exception):  # the tracking store may be on the same full disk: the line matters more
             client.set_terminated(run_id, status="FAILED")
         raise

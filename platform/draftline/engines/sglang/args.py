@@ -1,4 +1,5 @@
-"""SGLang launch arguments: the known-flag tables, an argv reader that mirrors argparse, and the generator.
+"""SGLang launch arguments: the known-flag tables and an argv reader that mirrors argparse (the generator of a
+launch command is launch.py, above the preflight that checks it).
 
 The flag tables in `flags/<version>.json` are data generated from each SGLang wheel by
 `scripts/gen_sglang_flags.py` (which reads `sglang/srt/server_args.py`, and from 0.5.23 on the
@@ -16,10 +17,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from draftline.config import DraftlineConfig
+from typing import Optional
 
 FLAGS_DIR = Path(__file__).parent / "flags"
 
@@ -261,62 +259,3 @@ def read_argv(argv: list[str] | str, table: FlagTable) -> ParsedArgv:
             item.missing_value = len(item.values) < nargs
         parsed.items.append(item)
     return parsed
-
-
-# engine.sglang field -> the option it is written as, in every spelling releases have had; the first one the
-# configured release's flag table has is emitted (0.5.20 split --cuda-graph-max-bs into -decode / -prefill, and
-# argparse then rejects the old name as an ambiguous prefix).
-CONFIG_OPTIONS: dict[str, tuple[str, ...]] = {
-    "mem_fraction_static": ("--mem-fraction-static",),
-    "attention_backend": ("--attention-backend",),
-    "page_size": ("--page-size",),
-    "cuda_graph_max_bs": ("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode"),
-    "dtype": ("--dtype",),
-}
-
-
-def build_launch_argv(
-    cfg: "DraftlineConfig",
-    model_path: str | Path,
-    draft_model_path: str | Path | None,
-    *,
-    python: str | None = None,
-) -> list[str]:
-    """The exact SGLang launch command for `cfg.engine`, checked by the preflight before it is returned.
-
-    Raises `PreflightError` (with every finding) when the generated command has an error; warnings are
-    allowed, since SGLang starts with them. `python` overrides `cfg.engine.sglang.python`.
-    """
-    # Imported here because the preflight itself reads argv with this module.
-    from draftline.engines.sglang.preflight import PreflightError, has_errors, preflight
-
-    sglang = cfg.engine.sglang
-    spec = cfg.engine.speculative
-    argv = [python or sglang.python, "-m", "sglang.launch_server", "--model-path", str(model_path)]
-    if spec.algorithm:
-        argv += ["--speculative-algorithm", spec.algorithm]
-        if draft_model_path is not None:
-            argv += ["--speculative-draft-model-path", str(draft_model_path)]
-        argv += [
-            "--speculative-num-steps", str(spec.num_steps),
-            "--speculative-eagle-topk", str(spec.eagle_topk),
-            "--speculative-num-draft-tokens", str(spec.num_draft_tokens),
-        ]  # fmt: skip
-    argv += ["--host", sglang.host, "--port", str(sglang.port), "--tp-size", str(sglang.tp_size)]
-    table = flag_table_for(sglang.version)
-    for field_name, spellings in CONFIG_OPTIONS.items():
-        value = getattr(sglang, field_name)
-        if value is None:
-            continue
-        option = next((o for o in spellings if o in table.flags), None)
-        if option is None:
-            raise ValueError(
-                f"engine.sglang.{field_name}: SGLang {sglang.version} has no option for it (looked for "
-                f"{', '.join(spellings)} in {table.path.name}); unset it or pick another engine.sglang.version"
-            )
-        argv += [option, str(value)]
-    argv += list(sglang.extra_args)
-    findings = preflight(argv, sglang.version)
-    if has_errors(findings):
-        raise PreflightError(findings, argv)
-    return argv

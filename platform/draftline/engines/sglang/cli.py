@@ -17,8 +17,9 @@ from dataclasses import asdict
 
 from draftline.cli import add_config_args, config_from_args
 from draftline.config import ConfigError
-from draftline.engines.sglang.args import build_launch_argv
+from draftline.engines.sglang.launch import build_launch_argv
 from draftline.engines.sglang.preflight import PreflightError, format_findings, has_errors, preflight, preflight_report
+from draftline.target.load import resolve_target_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,7 +60,6 @@ def _target_path(cfg, explicit: str | None) -> str:
         return explicit
     if cfg.target.kind == "hf":
         return cfg.target.path
-    from draftline.target.load import resolve_target_dir  # builds the embedded target once (cached by hash)
 
     return str(resolve_target_dir(cfg))
 

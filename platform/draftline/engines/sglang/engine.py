@@ -23,6 +23,7 @@ from typing import AsyncIterator, Optional
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
 from draftline.engines.server_process import ServerError, ServerProcess, sse_events
+from draftline.engines.sglang.launch import build_launch_argv
 
 logger = logging.getLogger("draftline.sglang")
 
@@ -93,8 +94,6 @@ class SGLangEngine:
 
     def launch_argv(self) -> list[str]:
         """The checked SGLang command (raises PreflightError listing every problem)."""
-        from draftline.engines.sglang.args import build_launch_argv
-
         argv = build_launch_argv(self.cfg, self.target_dir, self.drafter_dir)
         if self.launcher is not None:
             argv = list(self.launcher) + argv[3:]  # argv[:3] is `python -m sglang.launch_server`

@@ -27,6 +27,7 @@ from typing import AsyncIterator, Optional
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams, SpecStats
 from draftline.engines.server_process import ServerError, ServerProcess, sse_events
+from draftline.engines.vllm.preflight import check_or_raise
 from draftline.utils import free_port
 
 logger = logging.getLogger("draftline.vllm")
@@ -208,8 +209,6 @@ class VLLMEngine:
 
     def launch_argv(self) -> list[str]:
         """The server command, after the preflight (raises VLLMPreflightError listing every error)."""
-        from draftline.engines.vllm.preflight import check_or_raise
-
         check_or_raise(self.cfg, self.target_dir, self.drafter_dir)
         return build_server_argv(self.cfg, self.python, self.target_dir, self.drafter_dir, self._pick_port())
 

@@ -1,0 +1,43 @@
+"""The whole pipeline on one shape twin per architecture class the embedded default (dense Llama, whose pipeline
+tests/e2e/test_pipeline.py runs) does not cover: sparse MoE (Qwen3-30B-A3B) and MLA with MoE and YaRN (Kimi-K2.5).
+bootstrap -> prepare -> extract (Ray) -> train (Ray Train + DeepSpeed) -> gate (MLflow registry) -> promote, at test
+size. The dense twins' families differ from the default in rope and qk-norm only, which tests/integration/test_twins.py
+(token identity through the reference engine) and tests/integration/test_drafter_rope.py check without a pipeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SMALL_BENCH, twin_config
+from draftline.target.bootstrap import bootstrap_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# A short training and a two-round gate.
+TWIN_PIPELINE = ["train.max_steps=80", "gate.min_speedup=0.5", "gate.min_rounds=2", "gate.max_rounds=2",
+                 *SMALL_BENCH]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b", "kimi-k2.5"])
+def twin(request):
+    cfg = twin_config(request.param)
+    return request.param, cfg, bootstrap_target(cfg)
+
+
+def test_pipeline_runs_on_the_twin_and_the_gate_records_its_figures(twin, ray_cluster):
+    """bootstrap -> prepare -> extract (Ray) -> train (Ray Train + DeepSpeed) -> gate (MLflow registry) -> promote."""
+    from draftline.pipeline import run_pipeline
+
+    name, _, target_dir = twin
+    cfg = twin_config(name, TWIN_PIPELINE)
+    summary = run_pipeline(cfg, from_stage="bootstrap", until="promote")
+    assert all(stage["status"] == "ran" for stage in summary.values()), summary
+    assert summary["bootstrap"]["outputs"]["target_dir"] == str(target_dir)
+    val = summary["train"]["outputs"]["metrics"]
+    assert val["val_acc_0"] >= 0.5 and val["val_est_accept_len"] >= 1.5, val
+    gate = summary["gate"]["outputs"]
+    assert gate["passed"] and gate["verdict"] == "passed", gate["reasons"]
+    assert gate["bench"]["lossless"] is True and gate["bench"]["accept_length"] > 1.5, gate["bench"]
+    low, high = gate["intervals"]["speedup@1"]
+    assert low <= gate["bench"]["speedup"] <= high
+    assert summary["promote"]["outputs"] == {"promoted": True, "version": gate["version"]}

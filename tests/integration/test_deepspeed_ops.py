@@ -1,0 +1,42 @@
+"""DeepSpeed's CPU shared-memory op (draftline.train.deepspeed_ops): a process killed while it holds torch's build
+lock no longer makes every later DeepSpeed init on the machine wait forever."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from draftline.train.deepspeed_ops import OP_NAME, ensure_shm_comm_op, extensions_dir
+
+# What torch's cpp_extension.load does first when it builds an extension: take its lock file (FileBaton) in the
+# build directory. The process is then SIGKILLed, as an OOM kill or a lost node ends a worker compiling the op.
+TAKE_TORCH_LOCK = "import sys, time; from torch.utils.file_baton import FileBaton\n" \
+                  "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); time.sleep(600)"
+
+
+def test_a_killed_holder_of_the_build_lock_does_not_stop_the_next_init(tmp_path):
+    """Without draftline's own lock and stale-lock check, the second process waits forever in torch's
+    FileBaton.wait (seen: two test workers hung 10 minutes until the lock was removed by hand)."""
+    assert ensure_shm_comm_op() is not None  # this installation's op, built at `make setup`
+    cache = tmp_path / "cache"
+    # A copy of this installation's built op, in a cache of the test's own: the load below needs no compiler run.
+    shutil.copytree(extensions_dir(), cache / "torch_extensions" / extensions_dir().name)
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    lock = cache / "torch_extensions" / extensions_dir().name / OP_NAME / "lock"
+
+    holder = subprocess.Popen([sys.executable, "-c", TAKE_TORCH_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    assert lock.exists(), "the killed holder's lock file should be left behind, as torch leaves it"
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "draftline.train.deepspeed_ops"], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    print(f"op loaded past the stale lock in {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"removed a stale DeepSpeed build lock {lock}" in done.stderr + done.stdout
+    assert not lock.exists()

@@ -33,6 +33,8 @@ def test_short_two_worker_run_exports_logs_and_registers(short_offline_run, tiny
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == str(MAX_STEPS)
+    # The suite's one Ray Train + DeepSpeed run on the production attention path, packed.
+    assert (run.data.params["train.attention"], run.data.params["train.packing"]) == ("fused", "True")
     loss_steps = sorted(m.step for m in client.get_metric_history(result.run_id, "loss"))
     assert loss_steps == list(range(1, MAX_STEPS + 1))
     val_history = {m.step: m.value for m in client.get_metric_history(result.run_id, "val_est_accept_len")}

@@ -19,7 +19,7 @@ SGLANG_ROOT ?= .sglang
 # speculators' and SpecForge's own code (overlays run by .venv's interpreter), for the tests that load exports with it.
 PEERS_ROOT ?= .peers
 
-.PHONY: setup setup-vllm sglang peers demo serve test test-unit test-integration test-e2e bench clean
+.PHONY: setup setup-vllm sglang peers demo serve test test-fixtures test-unit test-integration test-e2e bench clean
 
 setup: $(VENV)/.installed
 
@@ -63,16 +63,21 @@ serve: setup
 # all three.
 PYTEST := $(PY) -m pytest -q -rs $(PYTEST_PARALLEL)
 
-test: setup setup-vllm sglang peers
+# The test target, its dataset and the fitted drafter every tier shares, built before pytest (tests/prebuild.py):
+# inside the first test that needs them a build under load ran past the per-test timeout. Cached: seconds when built.
+test-fixtures: setup
+	timeout 3600 $(PY) tests/prebuild.py
+
+test: setup setup-vllm sglang peers test-fixtures
 	$(PYTEST) --durations=15 $(PYTEST_ARGS) tests/e2e tests/integration tests/unit
 
-test-unit: setup
+test-unit: setup test-fixtures
 	$(PYTEST) $(PYTEST_ARGS) tests/unit
 
-test-integration: setup setup-vllm sglang peers
+test-integration: setup setup-vllm sglang peers test-fixtures
 	$(PYTEST) $(PYTEST_ARGS) tests/integration
 
-test-e2e: setup setup-vllm sglang peers
+test-e2e: setup setup-vllm sglang peers test-fixtures
 	$(PYTEST) $(PYTEST_ARGS) tests/e2e
 
 bench: setup

@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
 
-from draftline.bench.cli import run_bench  # noqa: E402
+from draftline.bench.run import run_bench  # noqa: E402
 from draftline.bench.runner import format_table  # noqa: E402
 from draftline.config import load_config  # noqa: E402
 from draftline.utils import atomic_write_json  # noqa: E402

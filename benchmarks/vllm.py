@@ -5,12 +5,14 @@
     .venv/bin/python benchmarks/vllm.py --openmp intel       # vLLM only with Intel OpenMP preloaded (default: both)
     .venv/bin/python benchmarks/vllm.py --twin qwen3-8b data_dir=DIR  # a shape twin (configs/twins/), its own data dir
 
-One `run_bench` (bench/runner.py: paired, interleaved rounds, target alone first) per engine on the same bench prompts
-and the same drafter: the reference engine, then vLLM's CPU build with engine.vllm.preload_intel_openmp true and
-false (vLLM warns that CPU speculative decoding is much slower with GNU OpenMP). vLLM restarts its server for every
-engine of every round, so start-up is outside the timed loads. Accept length is the bench's (output tokens / verify
-steps; vLLM: / its `drafts` counter); for vLLM the report also holds its own counters over the timed loads (drafts,
-draft tokens, accepted tokens, per-position acceptance, its 1 + accepted / drafts). Both engines get one thread
+One `run_bench` (bench/runner.py: paired, interleaved rounds whose order alternates) per engine on the same bench
+prompts and the same drafter: the reference engine, then vLLM's CPU build with engine.vllm.preload_intel_openmp true
+and false (vLLM warns that CPU speculative decoding is much slower with GNU OpenMP). vLLM's two servers (target
+alone, EAGLE-3) start once and stay up for the whole bench, so start-up is outside the timed loads. Accept length is
+the bench's (output tokens / verify steps; vLLM: / its `drafts` counter); for vLLM the report also holds its own
+counters over the timed loads (drafts, draft tokens, accepted tokens, per-position acceptance, its 1 + accepted /
+drafts). Beside the wall-clock speedup, the CPU-time one: output tokens per CPU second of this process (reference
+engine) or of the server's process tree (vLLM), against the target alone's. Both engines get one thread
 (engine.cpu_threads, engine.vllm.cpu_threads); vLLM runs with --enforce-eager unless --compile (torch.compile adds
 minutes to each of the server starts).
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
 
-from draftline.bench.cli import run_bench  # noqa: E402
+from draftline.bench.run import run_bench  # noqa: E402
 from draftline.bench.runner import format_table  # noqa: E402
 from draftline.config import load_config  # noqa: E402
 from draftline.utils import atomic_write_json  # noqa: E402
@@ -132,20 +134,23 @@ def side_by_side(name: str, report: dict) -> list[dict]:
             "engine": name, "intel_openmp_preloaded": report["intel_openmp_preloaded"], "concurrency": concurrency,
             "target_alone_tokens_per_s": alone["output_tokens_per_s"],
             "eagle3_tokens_per_s": eagle["output_tokens_per_s"],
-            "speedup": eagle["speedup"], "speedup_ci": eagle["speedup_ci"], "accept_length": eagle["accept_length"],
+            "speedup": eagle["speedup"], "speedup_ci": eagle["speedup_ci"], "cpu_speedup": eagle["cpu_speedup"],
+            "target_alone_cpu_ms_per_token": alone["cpu_ms_per_token"], "eagle3_cpu_ms_per_token": eagle["cpu_ms_per_token"],
+            "accept_length": eagle["accept_length"],
             "lossless": eagle["lossless"], "output_tokens": eagle["output_tokens"],
             "drafts": counters.get("drafts"), "draft_tokens": counters.get("draft_tokens"),
             "accepted_tokens": counters.get("accepted_tokens"),
             "vllm_mean_accept_length": counters.get("mean_accept_length"),
             "acceptance_per_position": counters.get("acceptance_per_position"),
-            "load_avg_1m": eagle["load_avg_1m"],
+            "load_avg_1m": eagle["load_avg_1m"], "round_order": report["round_order"],
         })  # fmt: skip
     return out
 
 
 def format_side_by_side(table: list[dict]) -> str:
     columns = ["engine", "intel_openmp_preloaded", "concurrency", "target_alone_tokens_per_s", "eagle3_tokens_per_s",
-               "speedup", "accept_length", "lossless", "drafts", "draft_tokens", "accepted_tokens",
+               "speedup", "speedup_ci", "cpu_speedup", "target_alone_cpu_ms_per_token", "eagle3_cpu_ms_per_token",
+               "accept_length", "lossless", "drafts", "draft_tokens", "accepted_tokens",
                "vllm_mean_accept_length", "acceptance_per_position"]  # fmt: skip
     cells = [columns] + [["-" if row[c] is None else str(row[c]) for c in columns] for row in table]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]

@@ -44,7 +44,7 @@ PRODUCTION_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "llama3
 
 
 def bench(data_dir: str, drafter_dir: Path, device: str, extra: list[str], temperature: float) -> dict:
-    from draftline.bench.cli import run_bench
+    from draftline.bench.run import run_bench
 
     overrides = [*extra, f"engine.device={device}", "bench.concurrency=[1,4]", "bench.rounds=2"]
     cfg = make_test_config(data_dir, overrides)

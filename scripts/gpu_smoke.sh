@@ -66,7 +66,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftline.bench.cli import run_bench
+from draftline.bench.run import run_bench
 from draftline.bench.runner import format_table
 from draftline.config import load_config
 from draftline.engines import make_engine

@@ -46,7 +46,8 @@ def ray_cluster():
 # (train_helpers.shared_short_run), so one real Ray Train + DeepSpeed run covers the production path.
 CHEAP_TRAIN_ATTENTION = "train.attention=blocked"
 
-# A smaller embedded target for tests: still a real trained LM, built in about a minute, cached across test runs.
+# A smaller embedded target for tests: still a real trained LM, built in about a minute (idle machine) by
+# tests/prebuild.py before pytest starts, cached across test runs.
 TEST_OVERRIDES = [
     "target.embedded.num_layers=8",
     "target.embedded.hidden_size=96",
@@ -133,12 +134,16 @@ def tiny_dataset_dir(tiny_cfg, tiny_target_dir):
     return prepare(tiny_cfg, tiny_target_dir)
 
 
+FITTED_DRAFTER_STEPS = 200
+
+
 @pytest.fixture(scope="session")
 def fitted_drafter_dir(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
-    """A drafter fitted in-process for 200 steps (`quick_drafter`, cached on disk): most drafts are accepted."""
+    """A drafter fitted in-process (`quick_drafter`, cached on disk; tests/prebuild.py builds it before the session):
+    most drafts are accepted."""
     from draftline.bench.quick_drafter import quick_drafter
 
-    return quick_drafter(tiny_cfg, tiny_target_dir, tiny_dataset_dir, steps=200)
+    return quick_drafter(tiny_cfg, tiny_target_dir, tiny_dataset_dir, steps=FITTED_DRAFTER_STEPS)
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,9 @@
 test-local MLflow store the way the train stage registers its export, benched through `draftline bench --version N`
 (the CLI, in this process) with vLLM and with the reference engine, and the checks made on the two reports.
 
-One round at concurrency 1, greedy (the bench's default temperature, which checks losslessness): the bench starts one
-vLLM server per role (target alone, then target + the version's EAGLE-3 export), so the two start-ups are the cost.
+Two rounds at concurrency 1, greedy (the bench's default temperature, which checks losslessness): the bench starts one
+vLLM server per role (target alone, target + the version's EAGLE-3 export), both up for the whole bench, and the
+rounds alternate their order; the two start-ups are the cost.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from draftline.drafter.export import META_FILE
 from registry_helpers import mlflow_overrides, register_export_dir
 
 BENCH_ARGS = ["--concurrency", "1"]
-BENCH_OVERRIDES = ["bench.rounds=1"]
+BENCH_OVERRIDES = ["bench.rounds=2"]
 MIN_DRAFTS = 40  # one draft is then at most 2.5% of the accept length, under the 3% being checked
 MAX_ACCEPT_LENGTH_GAP = 0.03
 # vLLM 0.32 (vllm/v1/worker/gpu_model_runner.py, any target family) logs the ids it read from the draft's config.
@@ -132,3 +133,16 @@ def check_accept_length_gap(vllm_report: dict, reference_report: dict, registere
         f"accept length: vLLM {vllm_accept} ({vllm_row['engine_counters']}), reference {reference_accept}: "
         f"{gap:.1%} apart on the same prompts and drafter (aux ids, RoPE or d2t read differently?)"
     )
+
+
+def check_paired_rounds_on_servers_up_together(report: dict, lines: list[str], registered: RegisteredVersion) -> None:
+    """Both servers start once and stay up, the rounds alternate (target alone first, then the drafter first), and
+    every row states the CPU time of its server's process tree beside the wall-clock figures."""
+    candidate = f"{registered.label} {drafter_row(report, registered)['spec']}"
+    assert report["engines_up_together"] is True
+    assert report["round_order"] == [["target-only", candidate], [candidate, "target-only"]]
+    launches = [line for line in lines if line.startswith("launching:")]
+    assert len(launches) == 2, launches
+    for row in report["rows"]:
+        assert row["cpu_of"] == "server process tree" and row["cpu_s"] > 0 and row["cpu_ms_per_token"] > 0, row
+    assert drafter_row(report, registered)["cpu_speedup"] > 0

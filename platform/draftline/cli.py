@@ -9,22 +9,23 @@ import sys
 import traceback
 
 from draftline.config import ConfigError, DraftlineConfig, check_data_dir, load_config
+from draftline.raycluster import local_ray_stopped_at_the_end
 from draftline.stagelog import command_log
 
 # Modules with a `register(subparsers)` function. Imported lazily per command so `--help` stays fast.
 COMMAND_MODULES = {
-    "bootstrap-target": "draftline.target.bootstrap",
-    "regenerate": "draftline.regenerate.run",
-    "prepare": "draftline.data.prepare",
+    "bootstrap-target": "draftline.target.cli",
+    "regenerate": "draftline.regenerate.cli",
+    "prepare": "draftline.data.cli",
     "extract": "draftline.extract.cli",
     "train": "draftline.train.cli",
     "export": "draftline.drafter.cli",
     "bench": "draftline.bench.cli",
-    "gate": "draftline.gate",
-    "promote": "draftline.release",
-    "rollback": "draftline.release",
+    "gate": "draftline.commands.gate",
+    "promote": "draftline.commands.release",
+    "rollback": "draftline.commands.release",
     "serve": "draftline.serving.cli",
-    "run": "draftline.pipeline",
+    "run": "draftline.commands.run",
     "sglang-command": "draftline.engines.sglang.cli",
     "check-sglang-args": "draftline.engines.sglang.cli",
 }
@@ -71,11 +72,39 @@ def print_error(err: BaseException) -> None:
     print(f"error: {err}", file=sys.stderr, flush=True)
 
 
+DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
+
+
+class _ConfigFlag(argparse.Action):
+    """--config PATH, remembering that it was given (a config path may also come first among the positionals)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.config_flag = option_string
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", default="configs/tiny-cpu.yaml", help="YAML config (default: %(default)s)")
+    parser.add_argument("--config", "-c", default=DEFAULT_CONFIG, action=_ConfigFlag,
+                        help="YAML config (default: %(default)s); or give it first: `draftline run CONFIG [KEY=VALUE ...]`")
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4 data.max_seq_len=512"
     )
+    parser.set_defaults(config_flag=None)
+
+
+def looks_like_config_path(item: str) -> bool:
+    return "=" not in item and (item.endswith((".yaml", ".yml")) or os.path.isfile(item))
+
+
+def take_config_path(args: argparse.Namespace) -> None:
+    """`draftline run CONFIG [KEY=VALUE ...]`: a first positional that names a YAML file is the config."""
+    overrides = list(getattr(args, "overrides", None) or [])
+    if not hasattr(args, "config") or not overrides or not looks_like_config_path(overrides[0]):
+        return
+    if args.config_flag is not None:
+        raise ConfigError(f"two configs: {args.config_flag} {args.config} and {overrides[0]!r}: give one, "
+                          f"first (`draftline {args.command} {overrides[0]} ...`) or as {args.config_flag} PATH")
+    args.config, args.overrides = overrides[0], overrides[1:]
 
 
 def config_from_args(args: argparse.Namespace) -> DraftlineConfig:
@@ -101,6 +130,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options and KEY=VALUE overrides in any order: argparse takes one run of positionals, so the overrides after
+    an option (`run CONFIG --dry-run train.lr=1e-4`) come back unrecognised and join the others, in order."""
+    args, extras = parser.parse_known_args(argv)
+    unknown_options = [a for a in extras if a.startswith("-")]
+    if unknown_options or (extras and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown_options or extras)}")
+    if extras:
+        args.overrides = [*(args.overrides or []), *extras]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     global _debug_flag
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -110,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for i, a in enumerate(argv) if not (i < end and a == "--debug")]
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMAND_MODULES else None)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
-        with command_log(args.command, args):  # Ray's and other libraries' noise to <data_dir>/logs/<command>.log
+        take_config_path(args)
+        # Ray's and other libraries' noise to <data_dir>/logs/<command>.log, Ray's last lines at its shutdown included.
+        with command_log(args.command, args), local_ray_stopped_at_the_end():
             return int(args.func(args) or 0)
     except Exception as err:
         if not is_expected_error(err):

@@ -22,18 +22,15 @@ gate_run_id. `draftline promote` reads the `gate` tag.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
+from draftline.bench.run import plan_bench
 from draftline.bench.runner import BASELINE, LoadRow, gap_cells
 from draftline.bench.stats import percentile_ratio
 from draftline.config import DraftlineConfig, GateConfig
-from draftline.engines import add_engine_arg, with_engine_arg
 from draftline.registry import CHAMPION, RegistryError, get_version, latest_version, resolve_alias, trained_dataset_dir
 from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_RUN_TAG, GATE_TAG, mlflow_client
 
@@ -221,8 +218,6 @@ def champion_p99_itl(rows: list[LoadRow], candidate_label: str, champion_label: 
 def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_label: Optional[str], log=print,
                dataset_dir: Optional[Path] = None):
     """The paired rounds of the gate with its looks -> (checks, rounds run, bench report of the last look)."""
-    from draftline.bench.cli import plan_bench
-
     plan = plan_bench(cfg, candidates, sweep=False, temperature=0.0, dataset_dir=dataset_dir)
     report: dict = {}
 
@@ -233,7 +228,7 @@ def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_
             def evaluate(confidence: float) -> list[Check]:
                 nonlocal report
                 rows = paired.rows(confidence, cfg.bench.bootstrap_samples)
-                report = plan.report(cfg, rows, confidence)
+                report = plan.report(cfg, rows, confidence, paired.schedule())
                 if champion_label is not None:
                     report["champion_p99_itl"] = champion_p99_itl(
                         rows, candidate_label, champion_label, confidence, cfg.bench.bootstrap_samples, cfg.seed
@@ -305,30 +300,3 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
     client.set_model_version_tag(name, version, GATE_REASONS_TAG, decision.reasons)
     client.set_model_version_tag(name, version, GATE_RUN_TAG, run.info.run_id)
     return decision
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser(
-        "gate", help="bench a drafter version and tag it gate=passed|failed", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    parser.add_argument("--version", help="registered version to gate (default: the latest)")
-    add_engine_arg(parser)
-    add_config_args(parser)
-    parser.set_defaults(func=_gate_command)
-
-
-def _gate_command(args: argparse.Namespace) -> int:
-    from draftline.cli import config_from_args
-
-    cfg = with_engine_arg(config_from_args(args), args)
-    decision = run_gate(cfg, args.version)  # a RegistryError is cli.main's one line, exit 1
-    for check in decision.checks:
-        print(f"  [{check.outcome.upper() if not check.passed else 'pass'}] {check.name}: {check.detail}")
-    print(f"gate {decision.verdict.upper()} for {cfg.registered_model_name} version {decision.version} after "
-          f"{decision.rounds} rounds (MLflow run {decision.run_id})")  # fmt: skip
-    print(json.dumps({"version": decision.version, "gate": "passed" if decision.passed else "failed",
-                      "verdict": decision.verdict, "rounds": decision.rounds, "reasons": decision.reasons}))  # fmt: skip
-    return 0 if decision.passed else 1

@@ -7,32 +7,33 @@ in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record
 is skipped, so a rerun after a failure continues where it stopped; `--from STAGE` forces that stage and what follows.
 A stage whose output is a process (serve: a live endpoint) also has to be running now, for this run, to be skipped.
 Each stage's output goes to `<...>/logs/<stage>.log`, and only draftline's own lines also to the terminal
-(draftline.stagelog); the final report is printed and written as report.md.
+(draftline.stagelog); what comes between stages goes to `<...>/logs/pipeline.log` the same way. The final report is
+printed and written as report.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from draftline.config import ConfigError, DraftlineConfig, config_to_yaml, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, write_resolved
 from draftline.data.prepare import prepare
 from draftline.data.prepare import summary_text as prepare_summary
 from draftline.extract.online import online_extract_summary
 from draftline.extract.run import extract_with_stats
 from draftline.extract.run import summary_text as extract_summary
 from draftline.gate import run_gate
-from draftline.raycluster import configured_ray_address, ray_job_runtime_env
+from draftline.raycluster import configured_ray_address, local_ray_stopped_at_the_end, ray_job_runtime_env
 from draftline.regenerate.run import regenerate
 from draftline.regenerate.run import summary_text as regenerate_summary
 from draftline.release import promote_and_roll
 from draftline.report import serving_line, write_report
-from draftline.serving.control import block_until_interrupted, serve_champion, smoke_chat_completion
-from draftline.serving.liveness import current_cluster, refuse_foreign_port, serving_at_exit, serving_now, start_command
+from draftline.serving.control import serve_champion, smoke_chat_completion
+from draftline.serving.liveness import current_cluster, refuse_foreign_port, serving_at_exit, serving_now
 from draftline.stagelog import stage_log
 from draftline.target.bootstrap import bootstrap_summary, bootstrap_target
 from draftline.target.load import resolve_target_dir
@@ -168,6 +169,9 @@ STAGES: tuple[Stage, ...] = (
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
 
+RUN_LOG = "pipeline.log"  # what reaches the run's output outside any stage, Ray's late worker lines included
+
+
 def pipeline_dir(cfg: DraftlineConfig) -> Path:
     return cfg.data_path("pipeline", cfg.name)
 
@@ -222,7 +226,6 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
     `start_command` as the way to serve when nothing will be.
     """
     from rich.console import Console
-    from rich.markup import escape
 
     console = Console()
     warning = relative_data_dir_in_ray_job(cfg)
@@ -231,7 +234,27 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
     names = plan(cfg, from_stage, until)
     root = pipeline_dir(cfg)
     write_resolved(cfg, root)
-    ctx = Context(cfg=cfg, keep_serving=keep_serving)
+    # Between stages too only draftline's lines reach the terminal: Ray forwards a worker's last lines after its
+    # stage has returned, the last of them as it shuts down. What no stage log takes goes to the run's own log.
+    ray_ends = contextlib.nullcontext() if keep_serving else local_ray_stopped_at_the_end()
+    with stage_log(root / "logs" / RUN_LOG, set()), ray_ends:
+        summary = _run_stages(Context(cfg=cfg, keep_serving=keep_serving), names, from_stage, root, console)
+        if "serve" in summary:
+            summary["serve"]["serving"] = serving_at_exit(cfg, summary["serve"]["outputs"], keep_serving,
+                                                          start_command)
+        atomic_write_json(root / "summary.json", summary)
+        write_report(cfg, summary, root)
+        if "serve" in summary:
+            # Plain print: rich would wrap the command at the console width and read `[...]` in overrides as markup.
+            print(f"endpoint: {serving_line(summary['serve']['serving'])}", flush=True)
+    return summary
+
+
+def _run_stages(ctx: Context, names: list[str], from_stage: str | None, root: Path, console) -> dict[str, dict]:
+    """Run or skip each stage in `names`, each with its output in its stage log; -> the run's summary."""
+    from rich.markup import escape
+
+    cfg = ctx.cfg
     summary: dict[str, dict] = {}
     forced = False
     shown: set[str] = set()  # lines the terminal has shown in this run (draftline.stagelog)
@@ -262,48 +285,4 @@ def run_pipeline(cfg: DraftlineConfig, from_stage: str | None = None, keep_servi
                                         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         summary[stage.name] = {"status": "ran", "seconds": seconds, "outputs": outputs}
         console.print(f"[bold]{stage.name}[/bold]: done in {seconds:.1f} s")
-    if "serve" in summary:
-        summary["serve"]["serving"] = serving_at_exit(cfg, summary["serve"]["outputs"], keep_serving, start_command)
-    atomic_write_json(root / "summary.json", summary)
-
-    write_report(cfg, summary, root)
-    if "serve" in summary:
-        # Plain print: rich would wrap the command at the console width and read `[...]` in overrides as markup.
-        print(f"endpoint: {serving_line(summary['serve']['serving'])}", flush=True)
     return summary
-
-
-def _cmd(args) -> int:
-    from draftline.cli import config_from_args
-
-    cfg = config_from_args(args)
-    names = plan(cfg, args.from_stage, args.until)
-    if args.dry_run:
-        print("# resolved config")
-        print(config_to_yaml(cfg))
-        print("# stages: " + " -> ".join(names))
-        if args.from_stage:
-            print(f"# forced from: {args.from_stage}")
-        return 0
-
-    # As this run was started, so the command can be pasted as is (`.venv/bin/draftline` after `make demo`).
-    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "draftline" else "draftline"
-    # RegistryError, ServingError, StorageFullError...: cli.main prints the one line and exits 1.
-    summary = run_pipeline(cfg, args.from_stage, keep_serving=args.serve, until=args.until,
-                           start_command=start_command(program, args.config, list(args.overrides or []),
-                                                       local=not configured_ray_address(cfg)))
-    if args.serve and "serve" in summary:
-        block_until_interrupted(cfg)
-    return 0
-
-
-def register(subparsers) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser("run", help="run the whole pipeline (stages whose inputs are unchanged are skipped)")
-    add_config_args(parser)
-    parser.add_argument("--dry-run", action="store_true", help="validate and print the resolved config and the stages")
-    parser.add_argument("--from", dest="from_stage", choices=STAGE_NAMES, help="force this stage and the ones after it")
-    parser.add_argument("--until", choices=STAGE_NAMES, help="stop after this stage (e.g. promote, when a RayService serves)")
-    parser.add_argument("--serve", action="store_true", help="keep serving the champion after the pipeline (Ctrl-C stops)")
-    parser.set_defaults(func=_cmd)

@@ -24,7 +24,9 @@ import secrets
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
+from draftline import reaper
 from draftline.config import DraftlineConfig
 from draftline.utils import atomic_write_text, environment_restored, free_port
 
@@ -203,20 +205,29 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
     return _ray_mode
 
 
-_reaper: subprocess.Popen | None = None
+@contextlib.contextmanager
+def local_ray_stopped_at_the_end() -> Iterator[None]:
+    """Stop, as the block ends, a local cluster this process started inside it. Ray prints the last lines its workers
+    wrote as it shuts down; at interpreter exit they would reach the terminal after the command's log has closed.
+    A cluster that was up before the block (a test session's) or that is not local is left alone."""
+    global _ray_mode
+    up_before = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    try:
+        yield
+    finally:
+        if not up_before and _ray_mode == "local" and "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
+            _ray_mode = None
+
+
+_reaper: subprocess.Popen | None = None  # kept for this process's life: its stdin is the pipe the reaper watches
 
 
 def _start_reaper(address: str) -> None:
     """Stop the local cluster at `address` when this process exits, even by SIGKILL (see draftline/reaper.py).
-
-    The reaper reads a pipe whose write end only this process holds (started after ray.init, so Ray's processes do
-    not inherit it), in a session of its own so that a Ctrl-C to the terminal's process group leaves it to clean up.
-    It needs nothing from this process's environment, and gets none of it (secrets included)."""
+    Started after ray.init, so Ray's processes do not inherit the pipe's write end."""
     global _reaper
-    reaper_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
-    port = address.rsplit(":", 1)[1]
-    _reaper = subprocess.Popen([sys.executable, "-I", reaper_script, port], stdin=subprocess.PIPE, env={},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _reaper = reaper.spawn("cluster", address.rsplit(":", 1)[1])
 
 
 def _init_local(ray, num_cpus: int | None, pythonpath: str) -> None:

@@ -11,16 +11,13 @@ With nothing serving, step 2 is skipped: the alias moves once the files verify, 
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 from typing import Callable, Optional
 
 from draftline.config import DraftlineConfig
 from draftline.registry import (
     CHAMPION,
     PREVIOUS,
-    RegistryError,
     ResolvedVersion,
     alias_version_number,
     promote,
@@ -88,29 +85,3 @@ def sync_serving_to_champion(cfg: DraftlineConfig) -> Optional[str]:
         return None
     served = roll_to(cfg, resolve_served_model(cfg))
     return f"Serve app now serves {served.registered_model} version {served.model_version}"
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from draftline.cli import add_config_args
-
-    promote_parser = subparsers.add_parser(
-        "promote", help="make a gate-passed drafter version the champion (rolling serving first)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    promote_parser.add_argument("--version", required=True, help="registered model version to promote")
-    add_config_args(promote_parser)
-    promote_parser.set_defaults(func=lambda args: _run(promote_and_roll, args, args.version))
-
-    rollback_parser = subparsers.add_parser(
-        "rollback", help="restore the previous champion (rolling serving first)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_config_args(rollback_parser)
-    rollback_parser.set_defaults(func=lambda args: _run(rollback_and_roll, args))
-
-
-def _run(action, args: argparse.Namespace, *extra) -> int:
-    from draftline.cli import config_from_args
-
-    print(action(config_from_args(args), *extra))  # RegistryError, ReleaseError, ServingError: cli.main's one line
-    return 0

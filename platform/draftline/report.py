@@ -1,16 +1,18 @@
 """The pipeline's final report: a table printed and written as Markdown, and PNG plots logged to MLflow.
 
-Reads only the stage records (`pipeline.run_pipeline` summary) and the training run's metric history.
+Reads the stage records (`pipeline.run_pipeline` summary), the training run's metric history and, where the run had
+a promote stage, the registry's champion as the run ends.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from draftline.config import DraftlineConfig
 from draftline.drafter.ttt import est_accept_len
+from draftline.registry import CHAMPION, alias_version_number
 from draftline.tracking import mlflow_client
 
 
@@ -31,7 +33,18 @@ def serving_line(state: dict) -> str:
     return f"no: {state['reason']}; to keep it up run `{state['start_command']}`"
 
 
-def report_rows(summary: dict[str, dict], model_name: str, served_steps: int) -> list[tuple[str, str]]:
+def champion_text(promote: dict, champion: Optional[str]) -> str:
+    """The registry's champion once the run ends (`champion`: its version, None without one), and what the promote
+    stage did with this run's version."""
+    now = f"v{champion}" if champion else "none"
+    if promote.get("promoted"):
+        return now if champion == str(promote.get("version")) else f"{now} (this run promoted v{promote.get('version')})"
+    return f"{now} (v{promote.get('version')} not promoted: it failed the gate)"
+
+
+def report_rows(summary: dict[str, dict], model_name: str, served_steps: int,
+                champion: Optional[str] = None) -> list[tuple[str, str]]:
+    """The report's rows; `champion` is the registry's champion version now (None: no champion)."""
     out = {name: s.get("outputs", {}) for name, s in summary.items()}
     rows: list[tuple[str, str]] = []
     boot = out.get("bootstrap")
@@ -59,7 +72,7 @@ def report_rows(summary: dict[str, dict], model_name: str, served_steps: int) ->
         rows.append(("gate verdict", verdict))
     promote = out.get("promote")
     if promote:
-        rows.append(("champion", f"v{promote.get('version')}" + ("" if promote.get("promoted") else " (not promoted)")))
+        rows.append(("champion", champion_text(promote, champion)))
     serve = summary.get("serve")
     if serve:
         if serve["status"] == "ran":
@@ -117,7 +130,8 @@ def write_report(cfg: DraftlineConfig, summary: dict[str, dict], out_dir: Path) 
     from rich.console import Console
     from rich.table import Table
 
-    rows = report_rows(summary, cfg.registered_model_name, cfg.engine.speculative.num_steps)
+    champion = alias_version_number(cfg, CHAMPION) if "promote" in summary else None
+    rows = report_rows(summary, cfg.registered_model_name, cfg.engine.speculative.num_steps, champion)
     table = Table(title=f"draftline report: {cfg.name}")
     table.add_column("what")
     table.add_column("value")

@@ -4,8 +4,12 @@ Ray, Ray Train, DeepSpeed, MLflow and transformers write start-up and progress n
 Ray worker prints (forwarded with a `(Name pid=N)` prefix; draftline's worker lines too, which the driver sums up),
 MLflow's registry messages. Measured on `draftline run --until extract` (test target, bootstrap cached, load ~30):
 52 of the 89 terminal lines were such noise, and both worker lines of the extract stage were shown twice (Ray
-forwards them on stdout and on stderr). These go to the stage log only; the terminal keeps draftline's own lines,
-each shown once per run. A line is noise when it matches THIRD_PARTY_LINE (the one place for the rule).
+forwards them on stdout and on stderr). Progress bars of transformers and the Hugging Face libraries (tqdm: `Loading weights:  50%|...`) redraw with a
+carriage return. These go to the stage log only; the terminal keeps draftline's own lines, each shown once per run. A
+line is noise when what a terminal would show of it (after its last carriage return) matches THIRD_PARTY_LINE (the
+one place for the rule). One kind of worker line is draftline's own and meant for the terminal: the training workers'
+`[train] ...` lines (rank 0's progress, one line per validation step, and a worker's resume); RELAYED_WORKER_LINE
+shows them without Ray's prefix, so a run whose output is not a terminal still shows how training goes.
 
 The standalone stage commands (`draftline extract`, `draftline train`, ...: LOGGED_COMMANDS) do the same into
 `<data_dir>/logs/<command>.log` (command_log).
@@ -31,10 +35,19 @@ THIRD_PARTY_LINE = re.compile(
     r"|\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(INFO|WARNING|ERROR)\] \[\w+\.py:\d+"  # DeepSpeed's logger
     r"|\[\d{4}-\d\d-\d\d [\d:,.]+ [IWEF] \d+ \d+\] "  # Ray's C++ core (glog format)
     r"|(Successfully registered model|Created version '\d+' of model|Registered model) "  # MLflow registry prints
+    r"|INFO \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ serve \d+ -- "  # Ray Serve's logger in the driver
+    r"|[^\n]*: *\d+%\|"  # a tqdm progress bar: `Loading weights:  50%|█████     | 37/75 [00:00<00:00, ...]`
 )
+# A forwarded worker line that is draftline's own terminal line: `(RayTrainWorker pid=12, ip=...) [train] step 50/300`.
+RELAYED_WORKER_LINE = re.compile(r"(\x1b\[[0-9;]*m)?\(\w[\w.:-]*\s+pid=\d+[^)]*\)(\x1b\[0m)?\s+(?P<line>\[train\] .*)")
 
 # Live displays (rich progress bars) redraw with these: such writes go through as they come.
 _REDRAW = ("\r", "\x1b[?", "\x1b[2K", "\x1b[1A")
+
+
+def _redrawn(line: str) -> str:
+    """What a terminal shows of a line that redraws itself with carriage returns: the part after the last one."""
+    return line.rstrip("\n").rsplit("\r", 1)[-1]
 
 
 class StageStream:
@@ -52,14 +65,19 @@ class StageStream:
         *complete, self._line = (self._line + data).split("\n")
         for line in complete:
             self._show(line + "\n")
-        if any(code in self._line for code in _REDRAW) and not THIRD_PARTY_LINE.match(self._line):
+        if any(code in self._line for code in _REDRAW) and not THIRD_PARTY_LINE.match(_redrawn(self._line)):
             self.terminal.write(self._line)  # a live display redrawing: show it now, not at its next newline
             self.terminal.flush()
             self._line = ""
         return len(data)
 
     def _show(self, line: str) -> None:
-        if THIRD_PARTY_LINE.match(line) or (line.strip() and line in self.shown):
+        relayed = RELAYED_WORKER_LINE.match(line)
+        if relayed:
+            line = relayed.group("line") + "\n"
+        elif THIRD_PARTY_LINE.match(_redrawn(line)):
+            return
+        if line.strip() and line in self.shown:
             return
         self.shown.add(line)
         self.terminal.write(line)

@@ -84,7 +84,7 @@ def test_prepare_renders_the_targets_own_template_and_holds_mt_bench_out(trained
 
 
 def bench_rows(cfg, export_dir, extra: list[str]) -> list[dict]:
-    from draftline.bench.cli import run_bench
+    from draftline.bench.run import run_bench
 
     bench_cfg = real_config([*extra, *MT_BENCH, f"tracking.tracking_uri={cfg.tracking.tracking_uri}"])
     report = run_bench(bench_cfg, [("drafter", export_dir, None)])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from draftline.bench.cli import run_bench
+from draftline.bench.run import run_bench
 from draftline.bench.runner import format_table
 from conftest import SMALL_BENCH, make_test_config
 
@@ -73,6 +73,9 @@ def test_bench_run_reports_speedup_accept_length_and_losslessness(tiny_target_di
     low, high = speculative["speedup_ci"]
     assert low <= speculative["speedup"] <= high and high > low
     assert report["rounds"] == 2 and all(r["rounds"] == 2 for r in rows)
+    fitted = f"fitted {speculative['spec']}"
+    assert report["engines_up_together"] and report["round_order"] == [["target-only", fitted], [fitted, "target-only"]]
+    assert all(r["cpu_of"] == "this process" and r["cpu_ms_per_token"] > 0 for r in rows)
     assert report["machine_load"]["load_avg_1m_max"] >= report["machine_load"]["load_avg_1m_min"] >= 0
     assert "fitted" in format_table(rows)
 

@@ -20,13 +20,13 @@ import pytest
 
 from conftest import TEST_CONFIG, config_overrides, twin_config, twin_config_path, twin_overrides
 from vllm_helpers import (
-    check_accept_length_gap, check_logged_aux_ids, check_vllm_with_the_drafter_is_lossless, reference_bench,
-    register_fitted, vllm_bench,
+    check_accept_length_gap, check_logged_aux_ids, check_paired_rounds_on_servers_up_together,
+    check_vllm_with_the_drafter_is_lossless, reference_bench, register_fitted, vllm_bench,
 )  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# Test target: the config's bench prompts (the bench split has 19, each answered in about 8 tokens), one round at
+# Test target: the config's bench prompts (the bench split has 19, each answered in about 8 tokens), two rounds at
 # concurrency 1 (tests/vllm_helpers.py), a second or two per load. Fewer would not do: 8 of them make about 23 drafts,
 # where one draft more or less moves the accept length by 4%, more than the 3% being checked.
 TWIN = "qwen3-8b"
@@ -75,3 +75,7 @@ def test_vllm_reads_the_aux_ids_the_export_wrote_for_it(vllm_run, registered):
 
 def test_vllm_accept_length_is_within_3_percent_of_the_reference_engines(vllm_run, reference_report, registered):
     check_accept_length_gap(vllm_run[0], reference_report, registered)
+
+
+def test_vllm_bench_alternates_rounds_on_servers_up_together_and_reports_cpu_time(vllm_run, registered):
+    check_paired_rounds_on_servers_up_together(*vllm_run, registered)

@@ -233,14 +233,16 @@ def test_killed_replica_resumes_without_losing_or_redoing(ray_cluster, tmp_path,
     runner = threading.Thread(target=lambda: outcome.update(result=regenerate(cfg, tiny_target_dir)))
     runner.start()
     shards_dir = None
-    deadline = time.monotonic() + 300
+    # The first shard waits for the replica's start and its model load: 300 s was too little at load 30.
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline and runner.is_alive():
         done = sorted((tmp_path / "data" / "regenerated").glob("*/shards/*.json"))
         if done:
             shards_dir = done[0].parent
             break
         time.sleep(0.05)
-    assert shards_dir is not None, "no shard finished"
+    assert shards_dir is not None, (f"no shard finished in 900 s; regenerate "
+                                    f"{'still running' if runner.is_alive() else 'returned ' + repr(outcome)}")
     finished_before_kill = {p.name: p.stat().st_mtime_ns for p in shards_dir.glob("*.json")}
     pids = _replica_pids()
     assert len(pids) == 1

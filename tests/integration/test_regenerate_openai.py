@@ -69,11 +69,33 @@ def test_regenerate_through_draftline_serve_matches_reference(ray_cluster, regen
     check_against_reference(served, regenerate_cfg, tiny_target_dir, f"{url}/v1")
 
 
+def replica_actor_ids() -> set[str]:
+    """Of the test's own cluster: with no address, Ray's state API fails when other Ray instances run on the machine."""
+    import ray
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,
+                         filters=[("class_name", "=", "RegenerateReplica")], limit=10000)
+    return {actor.actor_id for actor in actors}
+
+
+def replica_log(actor_ids: set[str]) -> list[str]:
+    """What the replicas wrote on stderr (Python's logging), from Ray's worker log files."""
+    import ray
+    from ray.util.state import get_log
+
+    address = ray.get_runtime_context().gcs_address
+    return [line for actor_id in sorted(actor_ids)
+            for chunk in get_log(address=address, actor_id=actor_id, suffix="err") for line in chunk.splitlines()]
+
+
 def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path, regenerate_overrides,
                                                           regenerate_cfg, tiny_target_dir):
     """regenerate.engine.backend=vllm while the serving engine stays the reference one: the regenerate replica
     starts vLLM 0.32's CPU api_server itself (one start-up, --enforce-eager) and sends its turns there through the
-    vLLM engine, many in flight. Its input is the user turns alone (prompt-only, regenerate's usual input)."""
+    vLLM engine, many in flight. Its input is the user turns alone (prompt-only, regenerate's usual input). Once done,
+    the replica stops its server before it is killed: before, Ray SIGKILLed the server as the replica exited, and the
+    replica's log said `vLLM exited with code -9; restart 1 in 1 s` after a successful run."""
     from draftline.data.sources import output_dir
     from draftline.regenerate.run import regenerate
 
@@ -86,7 +108,12 @@ def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path
     vllm_cfg = mlflow_test_config(tmp_path, regenerate_overrides + own_engine + [f"data.conversations={prompts}"])
     assert vllm_cfg.engine.backend == "reference"
     shutil.rmtree(output_dir(vllm_cfg, tiny_target_dir), ignore_errors=True)
+    replicas_before = replica_actor_ids()
     served = regenerate(vllm_cfg, tiny_target_dir)
+    replicas = replica_actor_ids() - replicas_before
+    log = replica_log(replicas)
+    assert len(replicas) == 1
+    assert [line for line in log if "exited with code" in line or "restart" in line] == []
     reference = regenerate(regenerate_cfg, tiny_target_dir)
 
     manifest = json.loads((served.out_dir / "manifest.json").read_text())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from draftline.bench.cli import store_bench_on_version
+from draftline.bench.run import store_bench_on_version
 from draftline.registry import promote
 from draftline.serving.engine_server import start_engine
 from draftline.serving.served_model import resolve_served_model

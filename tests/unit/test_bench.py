@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from draftline.bench.cli import best_per_concurrency
+from draftline.bench.run import best_per_concurrency
 from draftline.bench.prompts import prompt_from_sample
 from draftline.bench.runner import percentile
 

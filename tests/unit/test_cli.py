@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-import draftline.data.prepare as prepare_module
+import draftline.data.cli as prepare_command
 from draftline.bench.cli import apply_bench_overrides
 from draftline.cli import DEBUG_ENV, EXPECTED_ERRORS, build_parser, main
 from draftline.config import ConfigError, load_config
@@ -51,7 +51,7 @@ def test_a_full_disk_is_one_line_and_exit_1(capsys, monkeypatch, tmp_path):
     def disk_full(cfg):
         raise StorageFullError(message)
 
-    monkeypatch.setattr(prepare_module, "prepare", disk_full)
+    monkeypatch.setattr(prepare_command, "prepare", disk_full)
     assert main(["prepare", "--config", str(TEST_CONFIG), f"data_dir={tmp_path}"]) == 1
     assert capsys.readouterr().err == f"error: {message}\n"
 
@@ -60,7 +60,7 @@ def test_an_unexpected_exception_keeps_its_traceback(monkeypatch, tmp_path):
     def bug(cfg):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(prepare_module, "prepare", bug)
+    monkeypatch.setattr(prepare_command, "prepare", bug)
     with pytest.raises(KeyError):
         main(["prepare", "--config", str(TEST_CONFIG), f"data_dir={tmp_path}"])
 

@@ -77,6 +77,18 @@ def test_dry_run_fails_on_config_error(capsys):
     assert "train.nope" in capsys.readouterr().err
 
 
+def test_the_config_path_may_come_first_as_the_readme_writes_it(capsys):
+    """`draftline run CONFIG [KEY=VALUE ...]` and `draftline run CONFIG --dry-run`, as README and docs write them."""
+    twin = REPO / "configs" / "twins" / "qwen3-8b.yaml"
+    assert main(["run", str(twin), "--dry-run", "train.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps: 7" in out and "name: twin-qwen3-8b" in out, out[:400]
+    assert main(["run", str(twin), "train.max_steps=7", "--dry-run", "--config", str(REPO / "configs" / "tiny-cpu.yaml")]) == 2
+    assert "two configs: --config" in capsys.readouterr().err
+    assert main(["run", "--dry-run", "train.max_steps"]) == 2  # no .yaml, no file: still an override, and a bad one
+    assert "override 'train.max_steps': expected KEY=VALUE" in capsys.readouterr().err
+
+
 def test_duplicate_yaml_keys_are_refused_with_both_lines(tmp_path):
     """Fault 11: PyYAML keeps the last of two equal keys silently."""
     path = tmp_path / "dup.yaml"
@@ -91,10 +103,10 @@ def test_duplicate_yaml_keys_are_refused_with_both_lines(tmp_path):
 ])
 def test_data_dir_that_is_a_file_or_unwritable_fails_before_any_stage(tmp_path, make_bad, capsys, monkeypatch):
     """Fault 9: found only after the ~4-minute bootstrap, as a raw traceback. Now: exit 2 before any stage."""
-    import draftline.pipeline
+    import draftline.commands.run
 
     data_dir = make_bad(tmp_path)
-    monkeypatch.setattr(draftline.pipeline, "run_pipeline", lambda *a, **k: pytest.fail("a stage started"))
+    monkeypatch.setattr(draftline.commands.run, "run_pipeline", lambda *a, **k: pytest.fail("a stage started"))
     assert main(["run", "-c", str(REPO / "configs" / "tiny-cpu.yaml"), f"data_dir={data_dir}"]) == 2
     err = capsys.readouterr().err
     assert f"data_dir={data_dir}" in err and "set data_dir to a directory you can write" in err

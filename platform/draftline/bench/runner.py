@@ -15,10 +15,14 @@ Metrics (SGLang bench_serving's definitions):
                        (sum tokens / sum request latency) per side (Little's law: proportional to tokens/s in a
                        closed loop), with a paired bootstrap interval over rounds and prompts (bench/stats.py)
   decode_speedup       decode_tokens_per_s / the target-only engine's
-  cpu_speedup          the output_tokens_per_s ratio on this process's CPU time (time.process_time) instead of wall time:
-                       for in-process engines on a shared machine it ignores other processes' load
+  cpu_speedup          the output_tokens_per_s ratio on CPU time instead of wall time: for in-process engines (the
+                       reference engine) this process's CPU time (time.process_time), for server engines (vLLM,
+                       SGLang) the CPU time of the server's process tree (`server_cpu_seconds()`: the API server
+                       and every engine process in its session); on a shared machine it ignores other processes'
+                       load. `cpu_of` says which; `cpu_ms_per_token` is the same figure per output token
   lossless             greedy only: every output, in every round, is token-identical to the target-only engine's
-Rows pool every round (bench.rounds); rounds are paired and interleaved (PairedRounds).
+Rows pool every round (bench.rounds); rounds are paired and interleaved (PairedRounds), the order of the engines
+alternating from round to round (`round_order` in the report).
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class EngineSpec:
         s = self.speculative
         return f"{s.num_steps}/{s.eagle_topk}/{s.num_draft_tokens}"
 
+    def name(self) -> str:
+        """The label, and the speculative parameters where there are some: e.g. `v3 3/1/4`."""
+        return self.label if self.spec_text() == "-" else f"{self.label} {self.spec_text()}"
+
 
 @dataclass
 class LoadRun:
@@ -74,10 +82,11 @@ class LoadRun:
 
     requests: list[RequestResult] = field(repr=False)  # in prompt order
     wall_s: float
-    cpu_s: float
+    cpu_s: float  # CPU seconds of what ran the engine: this process, or the server's process tree (cpu_of)
     load_avg_1m: float  # the machine's 1-minute load average when the run started
     phase_seconds: Optional[dict] = None  # the engine's time per decoding phase during the run, where it counts them
     engine_counters: Optional[Any] = None  # the engine's own speculative counters over the run (vLLM)
+    cpu_of: str = "this process"
 
 
 @dataclass
@@ -138,6 +147,9 @@ class LoadRow:
             "output_tokens": output_tokens,
             "wall_s": round(wall_s, 4),
             "output_tokens_per_s": round(output_tokens / wall_s, 2) if wall_s else 0.0,
+            "cpu_of": self.runs[0].cpu_of,
+            "cpu_s": round(cpu_s, 3),
+            "cpu_ms_per_token": round(1000 * cpu_s / output_tokens, 3) if output_tokens else None,
             "output_tokens_per_cpu_s": round(output_tokens / cpu_s, 2) if cpu_s else 0.0,
             "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s else 0.0,
             "ttft_ms_p50": _ms(percentile(ttfts, 50)),
@@ -213,11 +225,14 @@ async def run_load(engine: Engine, prompts: list[BenchPrompt], concurrency: int,
     load_avg_1m = os.getloadavg()[0]
     phases = getattr(engine, "phase_seconds", None)
     before = dict(phases) if phases is not None else None
-    started, started_cpu = time.perf_counter(), time.process_time()
+    server_cpu = getattr(engine, "server_cpu_seconds", None)
+    cpu_seconds = server_cpu or time.process_time
+    started, started_cpu = time.perf_counter(), cpu_seconds()
     results = await asyncio.gather(*(one(p) for p in prompts))
-    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
+    wall_s, cpu_s = time.perf_counter() - started, cpu_seconds() - started_cpu
     spent = {key: phases[key] - before[key] for key in phases} if phases is not None else None
-    return LoadRun(list(results), wall_s, cpu_s, load_avg_1m, spent)
+    cpu_of = "server process tree" if server_cpu else "this process"
+    return LoadRun(list(results), wall_s, cpu_s, load_avg_1m, spent, cpu_of=cpu_of)
 
 
 def request_cells(row: LoadRow) -> tuple[np.ndarray, np.ndarray]:
@@ -236,8 +251,9 @@ class PairedRounds:
 
     Within a round the engines take turns at each level (target alone, candidate, champion, then the next level),
     and the order rotates from round to round, so a slow stretch of the machine hits every engine about equally.
-    Reference engines stay loaded for the whole run; other backends (SGLang: one port, minutes to start) run
-    one engine at a time per round. The first engine must be the target-only baseline.
+    Engines that can all be up at once stay up for the whole run (`engines_up_together`): the reference engine, and
+    vLLM servers, each on a free port. SGLang (one configured port, minutes to start) and vLLM on a configured port
+    run one engine at a time per round. The first engine must be the target-only baseline.
     Use as `async with PairedRounds(...) as paired: await paired.run_round(); paired.rows(...)`.
     """
 
@@ -247,10 +263,11 @@ class PairedRounds:
             raise ValueError("PairedRounds: the first engine must be the target-only baseline (drafter_dir None)")
         self.cfg, self.target_dir, self.engines, self.prompts = cfg, target_dir, engines, prompts
         self.levels, self.params, self.log = concurrency_levels, params, log
-        self.keep_loaded = cfg.engine.backend == "reference"
+        self.keep_loaded = engines_up_together(cfg)
         self.loaded: dict[int, Engine] = {}
         self.runs: dict[int, dict[int, list[LoadRun]]] = {i: {c: [] for c in concurrency_levels} for i in range(len(engines))}
         self.rounds = 0
+        self.round_order: list[list[str]] = []  # the engines of each round, in the order they ran
 
     async def __aenter__(self) -> "PairedRounds":
         if self.keep_loaded:
@@ -279,12 +296,15 @@ class PairedRounds:
             run.engine_counters = (await counters()).minus(before)
         self.runs[index][concurrency].append(run)
         tokens = sum(len(r.output_ids) for r in run.requests)
+        cpu_ms_per_token = 1000 * run.cpu_s / tokens if tokens else float("nan")
         self.log(f"[bench] round {self.rounds + 1} {spec.label} ({spec.spec_text()}) c={concurrency}: "
-                 f"{tokens / run.wall_s:.1f} tok/s, load {run.load_avg_1m:.2f}")  # fmt: skip
+                 f"{tokens / run.wall_s:.1f} tok/s, {cpu_ms_per_token:.1f} CPU ms/token ({run.cpu_of}), "
+                 f"load {run.load_avg_1m:.2f}")  # fmt: skip
 
     async def run_round(self) -> None:
         shift = self.rounds % len(self.engines)
         order = list(range(len(self.engines)))[shift:] + list(range(len(self.engines)))[:shift]
+        self.round_order.append([self.engines[index].name() for index in order])
         if self.keep_loaded:
             for concurrency in self.levels:
                 for index in order:
@@ -298,6 +318,10 @@ class PairedRounds:
                 finally:
                     await engine.stop()
         self.rounds += 1
+
+    def schedule(self) -> dict:
+        """How the rounds ran, for the report: engines up for the whole run or started per round, and their order."""
+        return {"engines_up_together": self.keep_loaded, "round_order": [list(order) for order in self.round_order]}
 
     def rows(self, confidence: float, bootstrap_samples: int) -> list[LoadRow]:
         """Every engine and level pooled over the rounds so far; speedups (with intervals) against the baseline."""
@@ -322,8 +346,14 @@ class PairedRounds:
         return list(rows.values())
 
 
+def engines_up_together(cfg: DraftlineConfig) -> bool:
+    """Whether every engine of a bench can be up at once: in-process engines, and vLLM servers on a free port each."""
+    return cfg.engine.backend == "reference" or (cfg.engine.backend == "vllm" and cfg.engine.vllm.port is None)
+
+
 def machine_load(rows: list[LoadRow]) -> dict:
-    """The load seen during the runs: 1-minute load average, and this process's CPU time per wall second."""
+    """The load seen during the runs: 1-minute load average, and the engines' CPU time (LoadRun.cpu_of) per wall
+    second."""
     runs = [run for row in rows for run in row.runs]
     loads = [run.load_avg_1m for run in runs]
     return {
@@ -338,12 +368,15 @@ def machine_load(rows: list[LoadRow]) -> dict:
 def format_table(rows: list[dict]) -> str:
     columns = [
         ("label", "engine"), ("spec", "steps/topk/draft"), ("concurrency", "conc"), ("output_tokens_per_s", "tok/s"),
-        ("speedup", "speedup"), ("speedup_ci", "speedup interval"), ("decode_speedup", "decode speedup"), ("cpu_speedup", "cpu speedup"),
-        ("accept_length", "accept"), ("ttft_ms_p50", "ttft p50 ms"), ("ttft_ms_p99", "ttft p99 ms"),
+        ("speedup", "speedup"), ("speedup_ci", "speedup interval"), ("cpu_speedup", "cpu speedup"),
+        ("cpu_ms_per_token", "cpu ms/tok"), ("decode_speedup", "decode speedup"), ("accept_length", "accept"), ("ttft_ms_p50", "ttft p50 ms"), ("ttft_ms_p99", "ttft p99 ms"),
         ("itl_ms_p50", "itl p50 ms"), ("itl_ms_p99", "itl p99 ms"), ("lossless", "lossless"),
     ]  # fmt: skip
     cells = [[h for _, h in columns]] + [["-" if r.get(k) is None else str(r.get(k)) for k, _ in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    measured = sorted({r["cpu_of"] for r in rows if r.get("cpu_of")})
+    if measured:
+        lines.append(f"cpu speedup, cpu ms/tok: CPU time of {' / '.join(measured)}")
     return "\n".join(lines)

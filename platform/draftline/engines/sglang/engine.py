@@ -120,6 +120,10 @@ class SGLangEngine:
         response.raise_for_status()
         return response.json()
 
+    def server_cpu_seconds(self) -> float:
+        """CPU seconds of the server's process tree so far (the bench's CPU-time figures)."""
+        return self.server.cpu_seconds()
+
     async def stop(self) -> None:
         await self.server.stop()
         client, self._client = self._client, None

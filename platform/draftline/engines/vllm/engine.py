@@ -240,6 +240,10 @@ class VLLMEngine:
         if client is not None:
             await client.aclose()
 
+    def server_cpu_seconds(self) -> float:
+        """CPU seconds of the server's process tree so far (the bench's CPU-time figures)."""
+        return self.server.cpu_seconds()
+
     async def spec_counters(self) -> VLLMSpecCounters:
         response = await self._client.get(self.base_url + "/metrics", timeout=10.0)
         response.raise_for_status()

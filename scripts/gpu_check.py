@@ -9,9 +9,10 @@ first). Three checks, each on CPU and CUDA on the same machine, side by side:
 
 1. the reference engine (`engine.device`), chain and tree drafts, through `run_bench`: EAGLE-3 greedy must be
    token-identical to the target alone on each device, and the accept lengths are compared across devices;
-2. the training objective exactly as the training worker builds it (`TTTObjective`, `objective_inputs`, `collate`,
-   `TargetHead`, `build_drafter`) on inputs captured from the target: the same seeded steps on CPU fp32, CUDA fp32,
-   and the step-0 loss and gradient in bf16 (as DeepSpeed's bf16 engine runs the forward);
+2. the training objective exactly as the training worker builds it (`objective_for`: the config's TTT attention,
+   `batch_maker`: its packing, `objective_inputs`, `TargetHead`, `build_drafter`) on inputs captured from the
+   target: the same seeded steps on CPU fp32, CUDA fp32, and the step-0 loss and gradient in bf16 (as DeepSpeed's
+   bf16 engine runs the forward);
 3. the export of drafter weights that live on the GPU, loaded back on CPU (the path a GPU-trained drafter takes);
 4. where DeepSpeed imports: the same steps through `deepspeed.initialize` with the production config's precision and
    ZeRO stage (configs/llama3.1-8b-4xgpu.yaml: bf16, ZeRO-2; one rank, nccl on CUDA), against the fp32 run, then the
@@ -100,15 +101,15 @@ def objective_run(cfg, samples, head_cpu, d2t, t2d, drafter_config, device: str,
                   deepspeed_train=None) -> dict:
     """`steps` seeded AdamW steps (constant lr) of the training worker's objective; with `deepspeed_train` (a
     TrainConfig) through DeepSpeed's engine with that config's precision and ZeRO stage, as the worker runs it."""
-    from draftline.train.data import collate
-    from draftline.train.loop import TTTObjective, build_drafter, deepspeed_config, objective_inputs
+    from draftline.train.loop import batch_maker, build_drafter, deepspeed_config, objective_for, objective_inputs
 
     torch.manual_seed(cfg.seed)
     head = head_cpu.to(device, dtype)
     drafter = build_drafter(drafter_config, head_cpu, d2t, t2d)
     drafter = drafter.to(device) if deepspeed_train else drafter.to(device, dtype)  # DeepSpeed casts it itself
     train = cfg.train
-    objective = TTTObjective(drafter, train.ttt_steps, train.ttt_decay, train.loss, train.activation_checkpointing)
+    objective = objective_for(drafter, train)
+    make_batch = batch_maker(train)
     optimizer = torch.optim.AdamW(objective.parameters(), lr=train.lr, betas=(0.9, 0.95))
     engine = None
     if deepspeed_train is not None:
@@ -121,7 +122,7 @@ def objective_run(cfg, samples, head_cpu, d2t, t2d, drafter_config, device: str,
     generator = torch.Generator().manual_seed(cfg.seed)
     for step in range(steps):
         indices = torch.randint(len(samples), (train.micro_batch_size,), generator=generator).tolist()
-        batch = collate([samples[i] for i in indices]).to(device, dtype)
+        batch = make_batch([samples[i] for i in indices]).to(device, dtype)
         started = time.perf_counter()
         if engine is not None:
             loss, metrics = engine(*objective_inputs(batch, head, t2d.to(device), dtype))

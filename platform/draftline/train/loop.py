@@ -12,6 +12,7 @@ best so far; each checkpoint carries fresh validation metrics of the weights it 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -53,12 +54,15 @@ def _log(msg: str) -> None:
 class TTTObjective(nn.Module):
     """The drafter plus its training-time-test loss, so DeepSpeed's engine forward is the whole objective."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, loss: str, checkpointed: bool = True):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, loss: str, checkpointed: bool = True,
+                 attention: str = "fused"):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay, self.loss, self.checkpointed = steps, decay, loss, checkpointed
+        self.attention = attention
 
-    def forward(self, input_embeds, aux_hidden, target_logits_draft, loss_mask, target_ids, attention_mask):
+    def forward(self, input_embeds, aux_hidden, target_logits_draft, loss_mask, target_ids, attention_mask,
+                document_ids=None):
         return ttt_loss(
             self.drafter,
             input_embeds,
@@ -67,11 +71,26 @@ class TTTObjective(nn.Module):
             loss_mask,
             target_ids=target_ids,
             attention_mask=attention_mask,
+            document_ids=document_ids,
             steps=self.steps,
             decay=self.decay,
             loss=self.loss,
+            attention=self.attention,
             checkpointed=self.checkpointed,
         )
+
+
+def objective_for(drafter: Eagle3Drafter, train_cfg: Any) -> TTTObjective:
+    """The objective as `train_cfg` (the config's train section) asks for it."""
+    return TTTObjective(
+        drafter, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.loss, train_cfg.activation_checkpointing,
+        train_cfg.attention,
+    )
+
+
+def batch_maker(train_cfg: Any):
+    """samples -> Batch as `train_cfg` asks: one sample a row, or packed."""
+    return functools.partial(collate, packing=train_cfg.packing, row_tokens=train_cfg.packed_row_tokens)
 
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, floor: float = 0.1) -> float:
@@ -96,26 +115,39 @@ def deepspeed_config(train_cfg: Any) -> dict:
 
 
 class StepMetrics:
-    """Sums over ranks and batches of (loss_k * count_k, hits_k, count_k, total loss, batches, real tokens), turned
-    into averages once all-reduced."""
+    """Sums over ranks and batches of (loss_k * count_k, hits_k, count_k, total loss, batches, real tokens, positions
+    computed, positions one sample a row would compute), turned into averages once all-reduced."""
 
     def __init__(self, steps: int):
         self.steps = steps
-        self.sums = torch.zeros(3 * steps + 3, dtype=torch.float64)
+        self.sums = torch.zeros(3 * steps + 5, dtype=torch.float64)
 
-    def add(self, total_loss: float, metrics: dict[str, float], tokens: int = 0) -> None:
+    def add(self, total_loss: float, metrics: dict[str, float], tokens: int = 0, slots: int = 0,
+            unpacked_slots: int = 0) -> None:
+        """`tokens` real tokens of the batch, `slots` positions it computed, `unpacked_slots` those of one sample a
+        row."""
         for k in range(self.steps):
             count = metrics[f"count_{k}"]
             self.sums[k] += metrics[f"loss_{k}"] * count
             self.sums[self.steps + k] += metrics[f"acc_{k}"] * count
             self.sums[2 * self.steps + k] += count
-        self.sums[-3] += total_loss
-        self.sums[-2] += 1
-        self.sums[-1] += tokens
+        self.sums[-5] += total_loss
+        self.sums[-4] += 1
+        self.sums[-3] += tokens
+        self.sums[-2] += slots
+        self.sums[-1] += unpacked_slots
+
+    def merge(self, other: "StepMetrics") -> None:
+        self.sums += other.sums
 
     @property
     def tokens(self) -> int:
-        return int(self.sums[-1])
+        return int(self.sums[-3])
+
+    def padding(self) -> dict[str, float]:
+        """Fractions of the positions computed that were padding: as trained, and with one sample a row."""
+        tokens, slots, unpacked = self.sums[-3:].tolist()
+        return {"padding_fraction": 1 - tokens / max(slots, 1), "padding_fraction_unpacked": 1 - tokens / max(unpacked, 1)}
 
     def all_reduce(self) -> None:
         import torch.distributed as dist
@@ -125,7 +157,7 @@ class StepMetrics:
 
     def averages(self, prefix: str = "") -> dict[str, float]:
         steps, sums = self.steps, self.sums.tolist()
-        out: dict[str, float] = {f"{prefix}loss": sums[-3] / max(sums[-2], 1)}
+        out: dict[str, float] = {f"{prefix}loss": sums[-5] / max(sums[-4], 1)}
         accs = []
         for k in range(steps):
             count = sums[2 * steps + k]
@@ -149,17 +181,18 @@ def objective_inputs(batch: Batch, head: TargetHead, t2d: torch.Tensor, dtype: t
         batch.loss_mask,
         target_ids,
         batch.attention_mask,
+        batch.document_ids,
     )
 
 
-def validate(engine, val_batches, head: TargetHead, t2d, device, dtype, steps):
+def validate(engine, val_batches, head: TargetHead, t2d, device, dtype, steps, make_batch=collate):
     """Val metrics over the whole val split, each rank taking a contiguous slice (`val_batches`: its micro-batches
-    of samples); summed across ranks."""
+    of samples, made into batches by `make_batch`); summed across ranks."""
     totals = StepMetrics(steps)
     engine.eval()
     with torch.no_grad():
         for samples in val_batches:
-            batch = collate(samples).to(device, dtype)
+            batch = make_batch(samples).to(device, dtype)
             loss, metrics = engine(*objective_inputs(batch, head, t2d, dtype))
             totals.add(float(loss), metrics)
     engine.train()
@@ -361,9 +394,8 @@ def _train(job: TrainingJob) -> None:
     t2d_device = t2d.to(device)
 
     drafter = build_drafter(job.drafter_config, head, d2t, t2d, cfg.train.init_norm_from_target)
-    objective = TTTObjective(
-        drafter, train_cfg.ttt_steps, train_cfg.ttt_decay, train_cfg.loss, train_cfg.activation_checkpointing
-    )
+    objective = objective_for(drafter, train_cfg)
+    make_batch = batch_maker(train_cfg)
     optimizer = torch.optim.AdamW(
         objective.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, betas=(0.9, 0.95)
     )
@@ -386,10 +418,11 @@ def _train(job: TrainingJob) -> None:
         logger.log({"resumed_at_step": state["step"]}, step=state["step"])
 
     samples = worker_samples(job, rank, world_size, resume_step=state["step"])
+    attempt_totals = StepMetrics(train_cfg.ttt_steps)  # padding over this attempt's steps, all ranks
     while state["step"] < train_cfg.max_steps:
         fire_fault(job.fault, state["step"] + 1, rank, world_size)
         started = time.perf_counter()
-        batch = collate(samples.train_samples(state["step"])).to(device, dtype)
+        batch = make_batch(samples.train_samples(state["step"])).to(device, dtype)
         loss, metrics = engine(*objective_inputs(batch, head, t2d_device, dtype))
         engine.backward(loss)
         engine.step()
@@ -397,13 +430,17 @@ def _train(job: TrainingJob) -> None:
         step = state["step"]
 
         step_totals = StepMetrics(train_cfg.ttt_steps)
-        step_totals.add(float(loss.detach()), metrics, tokens=batch.num_tokens)
+        step_totals.add(
+            float(loss.detach()), metrics, batch.num_tokens, batch.num_slots, batch.unpacked_slots or batch.num_slots
+        )
         step_totals.all_reduce()
+        attempt_totals.merge(step_totals)
         global_tokens = step_totals.tokens
         step_s = time.perf_counter() - started
         state["tokens_seen"] += global_tokens
         step_metrics = {
             **step_totals.averages(),
+            **step_totals.padding(),
             "lr": scheduler.get_last_lr()[0],
             "tokens_per_s": global_tokens / step_s,
             "tokens_per_s_per_worker": global_tokens / step_s / world_size,
@@ -415,7 +452,9 @@ def _train(job: TrainingJob) -> None:
         logger.log(step_metrics, step)
 
         if is_validation_step(step, train_cfg):
-            val_metrics = validate(engine, samples.val_batches(step), head, t2d_device, device, dtype, train_cfg.ttt_steps)
+            val_metrics = validate(
+                engine, samples.val_batches(step), head, t2d_device, device, dtype, train_cfg.ttt_steps, make_batch
+            )
             score = val_metrics[SCORE_METRIC]
             improved = state["best_val_est_accept_len"] is None or score > state["best_val_est_accept_len"]
             if improved:
@@ -425,7 +464,9 @@ def _train(job: TrainingJob) -> None:
                 _log(
                     f"step {step}/{train_cfg.max_steps} loss {step_metrics['loss']:.3f} acc_0 "
                     f"{step_metrics['acc_0']:.3f} | val acc_0 {val_metrics['val_acc_0']:.3f} "
-                    f"est_accept_len {score:.3f} | {step_metrics['tokens_per_s']:.0f} tokens/s"
+                    f"est_accept_len {score:.3f} | {step_metrics['tokens_per_s']:.0f} tokens/s, padding "
+                    f"{step_metrics['padding_fraction']:.1%} (one sample a row: "
+                    f"{step_metrics['padding_fraction_unpacked']:.1%})"
                 )
             if improved or is_checkpoint_step(step, train_cfg):
                 logger.flush()  # metrics up to a checkpoint are in MLflow before the checkpoint exists
@@ -433,4 +474,13 @@ def _train(job: TrainingJob) -> None:
                 save_and_report(engine, state, report, rank, train_cfg.zero_stage, job.checkpoint_location)
         if step % train_cfg.log_every == 0:
             logger.flush()
+    if attempt_totals.tokens:
+        padding = attempt_totals.padding()
+        logger.log({f"run_{name}": value for name, value in padding.items()}, state["step"])
+        if rank == 0:
+            _log(
+                f"padding over {attempt_totals.tokens} real tokens: {padding['padding_fraction']:.1%} of the positions "
+                f"computed ({'packed' if train_cfg.packing else 'one sample a row'}); one sample a row: "
+                f"{padding['padding_fraction_unpacked']:.1%}"
+            )
     logger.flush()

@@ -236,7 +236,9 @@ def online_inputs(cfg: DraftlineConfig, dataset_dir: str | os.PathLike, target_d
 def training_hash(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
     """Changes whenever the trained weights could: train config, seed, target, dataset, hidden states."""
     train_section = cfg.train.model_dump(mode="json")
-    for not_affecting in ("max_failures", "log_every", "storage_uri", "start_timeout_s", "collective_timeout_s"):
+    # attention and packing change how the same loss is computed (float rounding), not what is trained.
+    for not_affecting in ("max_failures", "log_every", "storage_uri", "start_timeout_s", "collective_timeout_s",
+                          "attention", "packing", "packed_row_tokens"):
         train_section.pop(not_affecting)
     return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, inputs.hidden_key)[:16]
 

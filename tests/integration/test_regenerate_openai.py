@@ -6,6 +6,7 @@ engine gives in-process."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import shutil
 
 import pytest
@@ -69,24 +70,27 @@ def test_regenerate_through_draftline_serve_matches_reference(ray_cluster, regen
     check_against_reference(served, regenerate_cfg, tiny_target_dir, f"{url}/v1")
 
 
-def replica_actor_ids() -> set[str]:
-    """Of the test's own cluster: with no address, Ray's state API fails when other Ray instances run on the machine."""
+def replica_actors() -> dict[str, int]:
+    """actor id -> pid of the RegenerateReplica actors of the test's own cluster (with no address, Ray's state API
+    fails when other Ray instances run on the machine)."""
     import ray
     from ray.util.state import list_actors
 
     actors = list_actors(address=ray.get_runtime_context().gcs_address,
                          filters=[("class_name", "=", "RegenerateReplica")], limit=10000)
-    return {actor.actor_id for actor in actors}
+    return {actor.actor_id: actor.pid for actor in actors}
 
 
-def replica_log(actor_ids: set[str]) -> list[str]:
-    """What the replicas wrote on stderr (Python's logging), from Ray's worker log files."""
-    import ray
-    from ray.util.state import get_log
+def replica_log(pids: list[int]) -> list[str]:
+    """What the replicas wrote on stderr (Python's logging), from the local session's worker log files. Read from disk,
+    not through Ray's log API, which needs the node's dashboard agent: under load the agent was gone ("Agent for
+    node id ... doesn't exist") and the test failed after a good run."""
+    from ray._private.worker import global_worker  # the local session's log directory has no public accessor
 
-    address = ray.get_runtime_context().gcs_address
-    return [line for actor_id in sorted(actor_ids)
-            for chunk in get_log(address=address, actor_id=actor_id, suffix="err") for line in chunk.splitlines()]
+    logs = Path(global_worker.node.get_logs_dir_path())
+    files = [path for pid in pids for path in sorted(logs.glob(f"worker-*-{pid}.err"))]
+    assert len(files) >= len(pids), f"no worker log for pids {pids} in {logs}"
+    return [line for path in files for line in path.read_text(errors="replace").splitlines()]
 
 
 def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path, regenerate_overrides,
@@ -108,11 +112,11 @@ def test_regenerate_with_the_vllm_engine_matches_reference(ray_cluster, tmp_path
     vllm_cfg = mlflow_test_config(tmp_path, regenerate_overrides + own_engine + [f"data.conversations={prompts}"])
     assert vllm_cfg.engine.backend == "reference"
     shutil.rmtree(output_dir(vllm_cfg, tiny_target_dir), ignore_errors=True)
-    replicas_before = replica_actor_ids()
+    replicas_before = replica_actors()
     served = regenerate(vllm_cfg, tiny_target_dir)
-    replicas = replica_actor_ids() - replicas_before
-    log = replica_log(replicas)
+    replicas = {actor_id: pid for actor_id, pid in replica_actors().items() if actor_id not in replicas_before}
     assert len(replicas) == 1
+    log = replica_log(list(replicas.values()))
     assert [line for line in log if "exited with code" in line or "restart" in line] == []
     reference = regenerate(regenerate_cfg, tiny_target_dir)
 

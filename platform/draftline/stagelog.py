@@ -60,8 +60,11 @@ class StageStream:
         self._line = ""
 
     def write(self, data: str) -> int:
-        self.log.write(data)
-        self.log.flush()
+        # A logging handler made during the stage (Ray Serve's) keeps this stream after the stage's log has closed;
+        # its later lines still go through the terminal's filter (before, each was a `--- Logging error ---`).
+        if not self.log.closed:
+            self.log.write(data)
+            self.log.flush()
         *complete, self._line = (self._line + data).split("\n")
         for line in complete:
             self._show(line + "\n")
@@ -89,7 +92,8 @@ class StageStream:
             self._line = ""
 
     def flush(self) -> None:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         self.terminal.flush()
 
     def close_line(self) -> None:
@@ -135,10 +139,6 @@ def stage_log(path: Path, shown: set[str]) -> Iterator[None]:
             stage_err.close_line()
             for handler, stream in saved:
                 handler.setStream(stream)
-            # Handlers made during the stage (Ray Serve's, at its start) are bound to its streams, whose log closes
-            # now: they go back to the streams the stage replaced, where the next stage finds them.
-            for handler in _third_party_handlers((stage_out, stage_err)):
-                handler.setStream(out if handler.stream is stage_out else err)
 
 
 # Standalone commands that start Ray, DeepSpeed or MLflow (or load a target). `run` logs per stage itself; `serve`,

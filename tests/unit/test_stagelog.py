@@ -69,5 +69,4 @@ def test_a_handler_made_during_a_stage_outlives_it_without_a_logging_error(tmp_p
         logger.removeHandler(handler)
     err = capsys.readouterr().err
     assert "Logging error" not in err, err
-    assert "a warning in the second stage" in (tmp_path / "second.log").read_text()
-    assert "a warning after both" in err
+    assert "a warning in the second stage" in err and "a warning after both" in err

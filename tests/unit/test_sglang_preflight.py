@@ -11,7 +11,7 @@ import pytest
 from draftline.config import load_config
 from draftline.engines.sglang.args import flag_table_for, read_argv
 from draftline.engines.sglang.launch import build_launch_argv
-from draftline.engines.sglang.preflight import PreflightError, has_errors, preflight, preflight_report
+from draftline.engines.sglang.preflight import MeasuredChain, PreflightError, has_errors, preflight, preflight_report
 from draftline.engines.sglang.rules import VERSION_TABLE, behaviour_for
 
 VERSIONS = [row.checked_version for row in VERSION_TABLE]
@@ -409,3 +409,18 @@ def test_build_launch_argv_validates_extra_args():
     cfg.engine.sglang.extra_args = ["--num-speculative-tokens", "4"]
     with pytest.raises(PreflightError, match="vllm-flag"):
         build_launch_argv(cfg, "org/target", "org/draft")
+
+
+MEASURED = MeasuredChain(4, 1, 5, "measured fastest for model m version 3 at concurrency 1 by `draftline bench --sweep`")
+
+
+@pytest.mark.parametrize("written", [["--speculative-num-draft-tokens", "16"], ["--num-speculative-tokens", "16"],
+                                     ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 16}'],
+                                     ["--speculative-num-steps", "15"]])
+def test_a_fix_that_writes_a_chain_proposes_the_drafters_measured_settings_not_the_commands_number(written):
+    """The seed's command wrote 16 and the fix proposed a 15-step chain whatever the drafter accepts; with the
+    version's measured sweep the fix proposes what was measured fastest, and says where the figures come from."""
+    fixes = [f.fix for f in preflight([*BASE, *written], "0.5.23", measured=MEASURED) if f.level == "error"]
+    assert fixes and all(MEASURED.proposal() in fix for fix in fixes), fixes
+    assert not any("num-steps 15 " in fix or "num-steps 16 " in fix for fix in fixes), fixes
+    assert preflight([*BASE, *written], "0.5.23") != preflight([*BASE, *written], "0.5.23", measured=MEASURED)

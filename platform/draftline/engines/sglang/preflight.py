@@ -19,10 +19,11 @@ from typing import Optional
 
 from draftline.engines.sglang.args import flag_table_for, parse_version, read_argv
 from draftline.engines.sglang.real import PHASES, Rejection, find_installation, run_sglang_checks, sglang_root
-from draftline.engines.sglang.rules import SERVER_ARGS_PHASES, Context, Finding, behaviour_for, run_rules
+from draftline.engines.sglang.rules import SERVER_ARGS_PHASES, Context, Finding, MeasuredChain, behaviour_for, run_rules
 
 __all__ = [
     "Finding",
+    "MeasuredChain",
     "PreflightError",
     "preflight",
     "preflight_report",
@@ -92,7 +93,8 @@ def _own_finding(rejection: Rejection, ctx: Context, rule_errors: list[Finding])
 
 
 def preflight_report(
-    argv: list[str] | str, version: str = "0.5.23", *, check_checkpoints: bool = True, sglang: str = "never"
+    argv: list[str] | str, version: str = "0.5.23", *, check_checkpoints: bool = True, sglang: str = "never",
+    measured: Optional[MeasuredChain] = None,
 ) -> PreflightReport:
     """All findings for an SGLang launch argv (with or without `python -m sglang.launch_server` in front).
 
@@ -101,12 +103,14 @@ def preflight_report(
     "auto" (also run that release's own argument checks when it is installed, see real.py), "required" (an error
     when it is not installed). SGLang's verdict replaces the rule table's for the phases it runs (parsing and
     ServerArgs); the rule table still reports what fails after ServerArgs (loading, the first draft step).
+    `measured`: the drafter's measured speculative settings, which fixes that write a chain then propose.
     """
     parse_version(version)  # a clear ValueError for a malformed version, before anything else
     table = flag_table_for(version)
     parsed = read_argv(argv, table)
     behaviour = behaviour_for(version)
-    ctx = Context(parsed=parsed, table=table, version=version, behaviour=behaviour, check_checkpoints=check_checkpoints)
+    ctx = Context(parsed=parsed, table=table, version=version, behaviour=behaviour, check_checkpoints=check_checkpoints,
+                  measured=measured)
     findings = _version_findings(version, table.version) + run_rules(ctx)
     applied = (
         f"SGLang {version}: flags of release {table.version} (flags/{table.version}.json), rules of "
@@ -137,9 +141,10 @@ def preflight_report(
     return PreflightReport(sorted(findings, key=lambda f: f.level != "error"), applied)
 
 
-def preflight(argv: list[str] | str, version: str = "0.5.23", *, check_checkpoints: bool = True, sglang: str = "never") -> list[Finding]:
+def preflight(argv: list[str] | str, version: str = "0.5.23", *, check_checkpoints: bool = True, sglang: str = "never",
+              measured: Optional[MeasuredChain] = None) -> list[Finding]:
     """The findings of `preflight_report`."""
-    return preflight_report(argv, version, check_checkpoints=check_checkpoints, sglang=sglang).findings
+    return preflight_report(argv, version, check_checkpoints=check_checkpoints, sglang=sglang, measured=measured).findings
 
 
 def has_errors(findings: list[Finding]) -> bool:

@@ -228,6 +228,25 @@ VLLM_METHODS = {
 }
 
 
+@dataclass(frozen=True)
+class MeasuredChain:
+    """The speculative settings measured fastest for the drafter being launched (a `draftline bench --sweep` stored
+    on its registry version): the fixes propose these rather than a chain length read off the command, whose number
+    says nothing of how many drafted tokens this drafter gets accepted."""
+
+    num_steps: int
+    eagle_topk: int
+    num_draft_tokens: int
+    source: str  # where the figures come from, shown after the flags
+
+    def flags(self) -> str:
+        return (f"--speculative-num-steps {self.num_steps} --speculative-eagle-topk {self.eagle_topk} "
+                f"--speculative-num-draft-tokens {self.num_draft_tokens}")
+
+    def proposal(self) -> str:
+        return f"{self.flags()} ({self.source})"
+
+
 @dataclass
 class Context:
     parsed: ParsedArgv
@@ -235,6 +254,7 @@ class Context:
     version: str
     behaviour: VersionBehaviour
     check_checkpoints: bool = True
+    measured: Optional[MeasuredChain] = None
 
     # Effective speculative settings as SGLang reads them from argv.
     def int_value(self, dest: str) -> Optional[int]:
@@ -301,7 +321,9 @@ def _warn(rule: str, flags, message: str, fix: str) -> Finding:
 # --- argv-level rules --------------------------------------------------------------------------------
 
 
-def _num_speculative_tokens_fix(item: ArgvItem) -> str:
+def _num_speculative_tokens_fix(item: ArgvItem, measured: Optional[MeasuredChain]) -> str:
+    if measured is not None:
+        return measured.proposal()
     try:
         n = int(item.values[0]) if item.values else None
     except ValueError:
@@ -311,12 +333,10 @@ def _num_speculative_tokens_fix(item: ArgvItem) -> str:
     return f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
 
 
-def _speculative_config_fix(item: ArgvItem) -> tuple[str, str]:
+def _speculative_config_fix(item: ArgvItem, measured: Optional[MeasuredChain]) -> tuple[str, str]:
     """(what the JSON meant, the fix) for vLLM's --speculative-config."""
-    generic = (
-        "write SGLang flags instead: --speculative-algorithm EAGLE3 --speculative-draft-model-path DIR "
-        "--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1"
-    )
+    chain = measured.proposal() if measured else "--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1"
+    generic = f"write SGLang flags instead: --speculative-algorithm EAGLE3 --speculative-draft-model-path DIR {chain}"
     try:
         config = json.loads(item.values[0]) if item.values else None
     except json.JSONDecodeError as err:
@@ -333,7 +353,9 @@ def _speculative_config_fix(item: ArgvItem) -> tuple[str, str]:
     if config.get("model"):
         flags += ["--speculative-draft-model-path", str(config["model"])]
     n = config.get("num_speculative_tokens")
-    if isinstance(n, int):
+    if measured is not None:
+        flags.append(measured.proposal())
+    elif isinstance(n, int):
         flags += ["--speculative-num-steps", str(n), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(n + 1)]
     ignored = sorted(set(config) - {"method", "model", "num_speculative_tokens"})
     note = f"; keys with no direct SGLang flag: {', '.join(ignored)}" if ignored else ""
@@ -361,11 +383,11 @@ def check_unknown_flags(ctx: Context) -> Iterator[Finding]:
                 f"{item.as_written()} is vLLM's option; {where} has no such flag and argparse stops with "
                 "'unrecognized arguments'. vLLM's N proposed tokens in a chain are SGLang's --speculative-num-steps "
                 "with --speculative-eagle-topk 1 (and a verify width of N+1 tokens).",
-                f"replace it with {_num_speculative_tokens_fix(item)}",
+                f"replace it with {_num_speculative_tokens_fix(item, ctx.measured)}",
             )  # fmt: skip
             continue
         if option == "--speculative-config":
-            meaning, fix = _speculative_config_fix(item)
+            meaning, fix = _speculative_config_fix(item, ctx.measured)
             yield _err(
                 "vllm-flag", [option],
                 f"--speculative-config is vLLM's JSON option; {where} takes separate --speculative-* flags ({meaning}).",
@@ -542,7 +564,10 @@ def check_partial_triple(ctx: Context) -> Iterator[Finding]:
         return
     topk = ctx.int_value("speculative_eagle_topk")
     ndt = ctx.int_value("speculative_num_draft_tokens")
-    if ndt is not None and topk in (None, 1):
+    if ctx.measured is not None:
+        fix = (f"write {ctx.measured.proposal()} in place of {', '.join(ctx.opt(d) for d in given)}, or remove "
+               f"{', '.join(ctx.opt(d) for d in given)} to let SGLang choose all three")
+    elif ndt is not None and topk in (None, 1):
         steps = max(ndt - 1, 1)
         fix = (
             f"add --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1} "
@@ -583,6 +608,7 @@ def check_steps_without_topk(ctx: Context) -> Iterator[Finding]:
         f"--speculative-num-steps is set but --speculative-eagle-topk is not: SGLang {ctx.version} does not fill topk in "
         "and fails with \"TypeError: '>' not supported between instances of 'NoneType' and 'int'\" while checking "
         "topk > 1.",
+        f"write {ctx.measured.proposal()}" if ctx.measured else
         f"add --speculative-eagle-topk 1 --speculative-num-draft-tokens {nxt} (a chain of {shown})",
     )  # fmt: skip
 

@@ -96,7 +96,7 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
     problems += duplicates + copies
     for conv in conversations:
         try:
-            sample = build_masked_sample(tokenizer, conv.messages, eot)
+            sample = build_masked_sample(tokenizer, conv.messages, eot, conv.tools)
         except TemplateError as err:
             problems.append(BadInput(conv.file, conv.line, "template", f"conversation {conv.id!r} {err}"))
             continue
@@ -112,7 +112,10 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
                 problems.append(BadInput(conv.file, conv.line, "over_length", f"{detail}; after truncation no assistant token is left"))
                 continue
         split = split_of(conv.id, cfg.data.split.val_fraction, cfg.data.split.bench_fraction)
-        splits[split].append({"id": conv.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask, "messages": conv.messages})
+        record = {"id": conv.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask, "messages": conv.messages}
+        if conv.tools:
+            record["tools"] = conv.tools
+        splits[split].append(record)
 
     # Over-long samples follow data.over_length; every other problem follows data.on_bad_input.
     over_length = [p for p in problems if p.kind == "over_length"]

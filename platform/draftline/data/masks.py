@@ -59,24 +59,26 @@ def end_of_turn_text(tokenizer) -> str:
     return ""
 
 
-def render(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = False) -> str:
-    """The chat template's text; a template that raises on the conversation (raise_exception, a missing field) is a
-    TemplateError naming the template's message."""
+def render(tokenizer, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = False,
+           template_kwargs: Optional[dict] = None) -> str:
+    """The chat template's text (`template_kwargs`: e.g. the thinking switch, data/thinking.py); a template that raises
+    on the conversation (raise_exception, a missing field) is a TemplateError naming the template's message."""
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
     except (JinjaTemplateError, TypeError) as err:
         raise TemplateError(None, f"the chat template refuses the conversation ({type(err).__name__}: {err}); "
                             "change the conversation to what the template supports") from None
 
 
-def trained_spans(tokenizer, messages: list[dict], eot_text: str,
-                  tools: Optional[list[dict]] = None) -> tuple[str, list[tuple[int, int]]]:
+def trained_spans(tokenizer, messages: list[dict], eot_text: str, tools: Optional[list[dict]] = None,
+                  template_kwargs: Optional[dict] = None) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, [start, end) character spans of the trained region of each assistant turn)."""
-    text = render(tokenizer, messages, tools)
+    text = render(tokenizer, messages, tools, template_kwargs=template_kwargs)
     assistant_turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     starts = {}
     for i in assistant_turns:
-        prefix = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+        prefix = render(tokenizer, messages[:i], tools, add_generation_prompt=True, template_kwargs=template_kwargs)
         if not text.startswith(prefix):
             at = next((k for k, (a, b) in enumerate(zip(prefix, text)) if a != b), min(len(prefix), len(text)))
             raise TemplateError(
@@ -137,10 +139,10 @@ def _excerpt(content: str) -> str:
 
 
 def build_masked_sample(tokenizer, messages: list[dict], eot_text: str | None = None,
-                        tools: Optional[list[dict]] = None) -> MaskedSample:
+                        tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None) -> MaskedSample:
     if eot_text is None:
         eot_text = end_of_turn_text(tokenizer)
-    text, spans = trained_spans(tokenizer, messages, eot_text, tools)
+    text, spans = trained_spans(tokenizer, messages, eot_text, tools, template_kwargs)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

@@ -54,6 +54,7 @@ from draftline.data.sources import (
     sampling_settings,
     source_conversations_path,
 )
+from draftline.data.thinking import check_thinking_switch, thinking_kwargs, thinking_mode
 from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
 from draftline.raycluster import ensure_ray
@@ -81,6 +82,8 @@ class TurnSettings:
     stop_token_ids: tuple[int, ...]
     end_of_turn: str
     reasoning_tags: Optional[tuple[str, str]]
+    thinking: Optional[str] = None  # data.thinking
+    thinking_on_fraction: float = 0.5
 
 
 def turn_settings(cfg: DraftlineConfig, tokenizer) -> TurnSettings:
@@ -92,11 +95,11 @@ def turn_settings(cfg: DraftlineConfig, tokenizer) -> TurnSettings:
         tags = DEFAULT_REASONING_TAGS if all(t in vocab for t in DEFAULT_REASONING_TAGS) else None
     regen = cfg.regenerate
     return TurnSettings(regen.temperature, regen.top_p, regen.max_new_tokens_per_turn, cfg.seed, stop_ids, eot,
-                        tuple(tags) if tags else None)
+                        tuple(tags) if tags else None, cfg.data.thinking, cfg.data.thinking_on_fraction)
 
 
-def _prompt_ids(tokenizer, history: list[dict], tools: Optional[list[dict]]) -> list[int]:
-    text = render(tokenizer, history, tools, add_generation_prompt=True)
+def _prompt_ids(tokenizer, history: list[dict], tools: Optional[list[dict]], template_kwargs: dict) -> list[int]:
+    text = render(tokenizer, history, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -125,7 +128,8 @@ def reply_slots(messages: list[dict]) -> list[dict | ReplySlot]:
 
 
 def recorded_call_if_reproduced(tokenizer, history: list[dict], tools: Optional[list[dict]], recorded: dict,
-                                generated: str, reasoning: Optional[str], end_of_turn: str) -> Optional[dict]:
+                                generated: str, reasoning: Optional[str], end_of_turn: str,
+                                template_kwargs: dict) -> Optional[dict]:
     """The recorded tool-call turn (with the target's reasoning) when the template renders it as exactly the text the
     target generated, else None. Compared as rendered text, so no per-template call parser is needed."""
     for content in dict.fromkeys((recorded.get("content") or "", "")):
@@ -133,8 +137,8 @@ def recorded_call_if_reproduced(tokenizer, history: list[dict], tools: Optional[
         if reasoning is not None:
             candidate["reasoning_content"] = reasoning
         try:
-            prompt = render(tokenizer, history, tools, add_generation_prompt=True)
-            whole = render(tokenizer, history + [candidate], tools)
+            prompt = render(tokenizer, history, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
+            whole = render(tokenizer, history + [candidate], tools, template_kwargs=template_kwargs)
         except TemplateError:
             return None
         if not whole.startswith(prompt):
@@ -151,6 +155,8 @@ async def regenerate_conversation(engine, tokenizer, conversation: dict, setting
     """One conversation, turn by turn -> {"id", "messages", "tools"?, "regenerated": {...}}. ValueError: the engine
     refused a turn."""
     tools = conversation.get("tools")
+    thinking = thinking_mode(settings.thinking, conversation["id"], settings.thinking_on_fraction)
+    template_kwargs = thinking_kwargs(tokenizer, thinking)
     history: list[dict] = []
     finish_reasons: list[Optional[str]] = []
     output_tokens = 0
@@ -167,7 +173,7 @@ async def regenerate_conversation(engine, tokenizer, conversation: dict, setting
         )
         pieces: list[str] = []
         tokens = 0
-        async for chunk in engine.generate(_prompt_ids(tokenizer, history, tools), params):
+        async for chunk in engine.generate(_prompt_ids(tokenizer, history, tools, template_kwargs), params):
             pieces.append(chunk.text)
             tokens += len(chunk.token_ids)
             if chunk.finished:
@@ -183,7 +189,7 @@ async def regenerate_conversation(engine, tokenizer, conversation: dict, setting
             reply["reasoning_content"] = reasoning
         if slot.recorded is not None and slot.recorded.get("tool_calls"):
             same = recorded_call_if_reproduced(tokenizer, history, tools, slot.recorded, text, reasoning,
-                                               settings.end_of_turn)
+                                               settings.end_of_turn, template_kwargs)
             if same is None:
                 history.append(reply)
                 stopped = {"turn": len(history) - 1, "reason": "the target's turn differs from the recorded tool "
@@ -194,6 +200,8 @@ async def regenerate_conversation(engine, tokenizer, conversation: dict, setting
     record = {"id": conversation["id"], "messages": history}
     if tools:
         record["tools"] = tools
+    if thinking:
+        record["thinking"] = thinking
     record["regenerated"] = {"output_tokens": output_tokens, "finish_reasons": finish_reasons}
     if stopped:
         record["regenerated"]["stopped"] = stopped
@@ -436,6 +444,11 @@ def regenerate(cfg: DraftlineConfig, target_dir: Optional[Path] = None) -> Regen
     target_fp = target_fingerprint(target_dir)
     out_dir = cfg.data_path("regenerated", output_key(cfg, source_sha256, target_fp))
 
+    if cfg.data.thinking:
+        from transformers import AutoTokenizer  # heavy: loaded only to check the template's thinking switch
+
+        check_thinking_switch(AutoTokenizer.from_pretrained(target_dir, trust_remote_code=cfg.target.trust_remote_code),
+                              cfg.data.thinking)
     conversations, problems = read_conversations(source, cfg.data.format, need_reply=False)
     records_read = len(conversations) + len(problems)
     conversations, duplicates = drop_duplicate_ids(conversations)

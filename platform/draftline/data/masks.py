@@ -125,8 +125,9 @@ def _tool_call_turn_end(text: str, start: int, limit: int, message: dict, turn: 
     end = text.find(eot_text, at + len(content), limit)
     cursor = at + len(content)
     for call in message["tool_calls"]:
-        cursor = text.find(call["function"]["name"], cursor, end if end >= 0 else limit)
-        if cursor < 0 or end < 0:
+        found = text.find(call["function"]["name"], cursor, end if end >= 0 else limit)
+        cursor = found + len(call["function"]["name"])
+        if found < 0 or end < 0:
             raise TemplateError(turn, f"the template does not render the tool call {call['function']['name']!r} "
                                 "(a template without tool support drops it, and the loss mask would train the turn "
                                 "without its call); use the target's own template with tool support, or remove the "

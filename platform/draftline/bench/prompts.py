@@ -64,9 +64,10 @@ def render(tokenizer, messages: list[dict], tools: Optional[list] = None, templa
 
 
 def earlier_turns(messages: list[dict]) -> list[dict]:
-    """The conversation before its last user turn, replies dropped (the target writes its own)."""
+    """The conversation before its last user turn, replies dropped (the target writes its own) and with them the tool
+    results that answered recorded calls."""
     last_user = max(i for i, _ in user_turns(messages))
-    return [m for m in messages[:last_user] if m["role"] != "assistant"]
+    return [m for m in messages[:last_user] if m["role"] not in ("assistant", "tool")]
 
 
 def _answers_path(cfg: DraftlineConfig, benchmark: Benchmark, target_dir: Path, conversations: list[Conversation]) -> Path:

@@ -43,8 +43,9 @@ def tokenizer_fingerprint(target_dir: Path) -> str:
 
 
 def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, held_out: list[Benchmark]) -> str:
-    return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir), cfg.data.model_dump(mode="json"),
-                       [b.sha256 for b in held_out])[:16]
+    unset = {"thinking", "thinking_on_fraction"} if cfg.data.thinking is None else set()  # earlier hashes stay valid
+    return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir),
+                       cfg.data.model_dump(mode="json", exclude=unset), [b.sha256 for b in held_out])[:16]
 
 
 def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:

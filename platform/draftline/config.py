@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from draftline.utils import atomic_write_text, redact_uri_credentials
 
@@ -167,6 +167,26 @@ class DataConfig(Strict):
     )
     split: SplitConfig = SplitConfig()
     draft_vocab_size: int = Field(1024, ge=2)
+    thinking: Optional[Literal["on", "off", "mixed"]] = Field(
+        None, description="the target's thinking switch (its chat template's enable_thinking, or thinking) at prepare, "
+        "regenerate and bench: on, off, or mixed (each conversation on or off by a hash of its id, "
+        "thinking_on_fraction of them on); empty = the template's own default, no switch passed",
+    )
+    thinking_on_fraction: float = Field(0.5, ge=0, le=1, description="with thinking=mixed: the share of conversations "
+                                        "rendered with thinking on")
+
+    @field_validator("thinking", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        """YAML reads a bare on/off as a boolean: `thinking: on` means "on"."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _thinking_fraction_with_mixed(self) -> "DataConfig":
+        if self.thinking != "mixed" and self.thinking_on_fraction != 0.5:
+            raise ValueError(f"data.thinking_on_fraction={self.thinking_on_fraction} applies to data.thinking=mixed only "
+                             f"(data.thinking is {self.thinking!r}): set data.thinking=mixed, or remove thinking_on_fraction")
+        return self
 
 
 class PipelineConfig(Strict):

@@ -112,3 +112,26 @@ def test_bench_cli_sweep_stores_best_config_on_the_version(tmp_path, tiny_target
     run = mlflow.get_run(tags["bench_run_id"])
     assert run.data.tags["model_version"] == version
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_bench_splits_accept_length_by_segment(tmp_path, tiny_target_dir, fitted_drafter_dir):
+    """Prompts with tools and plain ones in one bench: each segment's accept length over its own requests, the row's
+    (over all requests) between them, in the JSON and in the printed table. The test target's template renders no
+    tools, so the segments differ only in their prompts' text here."""
+    path = tmp_path / "prompts.jsonl"
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    lines = [{"id": "tool-1", "tools": tools, "prompt": "What does `def join(a, *p)` in posixpath do?"},
+             {"id": "plain-1", "prompt": "What does `def split(p)` in posixpath do?"},
+             {"id": "plain-2", "prompt": "What does `def basename(p)` in posixpath do?"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = make_test_config(tmp_path / "data", SMALL_BENCH + [f"bench.prompts={path}", "bench.concurrency=[1]",
+                                                              "bench.rounds=1"])
+    report = run_bench(cfg, [("fitted", fitted_drafter_dir, None)], log=lambda _: None)
+    baseline, speculative = report["rows"]
+    assert baseline["accept_length_by_segment"] == {"has-tools": {"accept_length": None, "prompts": 1},
+                                                    "plain": {"accept_length": None, "prompts": 2}}
+    segments = speculative["accept_length_by_segment"]
+    assert {name: v["prompts"] for name, v in segments.items()} == {"has-tools": 1, "plain": 2}
+    values = [v["accept_length"] for v in segments.values()]
+    assert min(values) > 1 and min(values) <= speculative["accept_length"] <= max(values)
+    assert f"accept by segment, fitted {speculative['spec']} c1: has-tools {segments['has-tools']['accept_length']} (1 prompts)" in format_table(report["rows"])

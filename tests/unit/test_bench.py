@@ -37,3 +37,18 @@ def test_best_per_concurrency_skips_lossy_and_baseline_rows():
     best = best_per_concurrency(rows)
     assert best == {"1": {"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 6, "output_tokens_per_s": 130.0,
                           "speedup": 1.3, "accept_length": 2.5}}  # fmt: skip
+
+
+def test_accept_length_by_segment_pools_each_segments_requests_over_rounds():
+    from draftline.bench.runner import RequestResult, accept_length_by_segment
+    from draftline.engines.base import SpecStats
+
+    def request(prompt_id, segment, steps, tokens):
+        return RequestResult(prompt_id, [0] * tokens, 0.1, [], 0.2, SpecStats(steps, tokens - steps, tokens), segment)
+
+    rounds = [request("a", "has-tools", 4, 8), request("b", "plain", 2, 6), request("c", "plain", 4, 6),
+              request("a", "has-tools", 4, 12), request("b", "plain", 0, 0)]  # a second round; b gave no steps there
+    assert accept_length_by_segment(rounds) == {"has-tools": {"accept_length": 2.5, "prompts": 1},
+                                                "plain": {"accept_length": 2.0, "prompts": 2}}
+    assert accept_length_by_segment([request("a", "thinking-off", 0, 3)]) == {
+        "thinking-off": {"accept_length": None, "prompts": 1}}

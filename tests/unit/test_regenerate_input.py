@@ -46,13 +46,13 @@ def test_a_conversation_without_a_user_turn_prompts_nothing(tmp_path):
 
 
 def test_every_user_turn_gets_a_reply_slot():
-    from draftline.regenerate.run import reply_slots
+    from draftline.regenerate.run import ReplySlot, reply_slots
 
     system, user, reply = {"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}
-    assert reply_slots([user]) == [user, None]
-    assert reply_slots([system, user, reply, user]) == [system, user, None, user, None]
-    assert reply_slots([user, user]) == [user, None, user, None]
-    assert reply_slots([system, user, reply, user, reply]) == [system, user, None, user, None]
+    assert reply_slots([user]) == [user, ReplySlot()]
+    assert reply_slots([system, user, reply, user]) == [system, user, ReplySlot(reply), user, ReplySlot()]
+    assert reply_slots([user, user]) == [user, ReplySlot(), user, ReplySlot()]
+    assert reply_slots([system, user, reply, user, reply]) == [system, user, ReplySlot(reply), user, ReplySlot(reply)]
 
 
 @pytest.fixture

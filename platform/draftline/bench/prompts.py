@@ -20,7 +20,9 @@ from draftline.config import DraftlineConfig
 from draftline.data.benchmarks import Benchmark, load_benchmark
 from draftline.data.contamination import user_turns
 from draftline.data.conversations import Conversation
+from draftline.data.masks import render as render_text
 from draftline.data.prepare import load_split
+from draftline.data.thinking import thinking_kwargs, thinking_mode
 from draftline.engines import make_engine
 from draftline.regenerate.run import TurnSettings, regenerate_conversation, turn_settings
 from draftline.target.load import target_fingerprint
@@ -33,10 +35,21 @@ def _log(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
+SEGMENTS = ("has-tools", "thinking-on", "thinking-off", "plain")
+
+
 @dataclass
 class BenchPrompt:
     id: str
     input_ids: list[int]
+    segment: str = "plain"  # one of SEGMENTS: the bench reports accept length per segment
+
+
+def segment_of(tools: Optional[list], messages: list[dict], thinking: Optional[str]) -> str:
+    """has-tools (the conversation declares or calls tools), else thinking-on/-off (data.thinking set), else plain."""
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return "has-tools"
+    return f"thinking-{thinking}" if thinking else "plain"
 
 
 def prompt_from_sample(sample: dict) -> list[int]:
@@ -45,20 +58,22 @@ def prompt_from_sample(sample: dict) -> list[int]:
     return sample["input_ids"][: mask.index(1)] if 1 in mask else list(sample["input_ids"])
 
 
-def render(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def render(tokenizer, messages: list[dict], tools: Optional[list] = None, template_kwargs: Optional[dict] = None) -> list[int]:
+    text = render_text(tokenizer, messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def earlier_turns(messages: list[dict]) -> list[dict]:
-    """The conversation before its last user turn, replies dropped (the target writes its own)."""
+    """The conversation before its last user turn, replies dropped (the target writes its own) and with them the tool
+    results that answered recorded calls."""
     last_user = max(i for i, _ in user_turns(messages))
-    return [m for m in messages[:last_user] if m["role"] != "assistant"]
+    return [m for m in messages[:last_user] if m["role"] not in ("assistant", "tool")]
 
 
 def _answers_path(cfg: DraftlineConfig, benchmark: Benchmark, target_dir: Path, conversations: list[Conversation]) -> Path:
     key = stable_hash(benchmark.sha256, [c.id for c in conversations], target_fingerprint(target_dir),
-                      cfg.bench.max_new_tokens, cfg.target.dtype)[:16]
+                      cfg.bench.max_new_tokens, cfg.target.dtype,
+                      *([cfg.data.thinking, cfg.data.thinking_on_fraction] if cfg.data.thinking else []))[:16]
     name = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in Path(benchmark.name).stem)
     return cfg.data_path("benchmarks", f"{name}-answers-{key}.jsonl")
 
@@ -72,8 +87,8 @@ async def _answer_all(cfg: DraftlineConfig, target_dir: Path, tokenizer, convers
 
     async def one(conv: Conversation) -> dict:
         async with in_flight:
-            return await regenerate_conversation(engine, tokenizer, {"id": conv.id, "messages": earlier_turns(conv.messages)},
-                                                 settings)
+            return await regenerate_conversation(engine, tokenizer, {"id": conv.id, "messages": earlier_turns(conv.messages),
+                                                                     "tools": conv.tools}, settings)
 
     try:
         return await asyncio.gather(*(one(c) for c in conversations))
@@ -92,7 +107,8 @@ def target_histories(cfg: DraftlineConfig, benchmark: Benchmark, target_dir: Pat
         if not path.exists():
             settings = turn_settings(cfg, tokenizer)
             settings = TurnSettings(0.0, 1.0, cfg.bench.max_new_tokens, cfg.seed, settings.stop_token_ids,
-                                    settings.end_of_turn, settings.reasoning_tags)
+                                    settings.end_of_turn, settings.reasoning_tags, cfg.data.thinking,
+                                    cfg.data.thinking_on_fraction)
             _log(f"{benchmark.name}: the target answers the earlier turns of {len(multi)} conversations "
                  f"(reference engine, greedy, at most {cfg.bench.max_new_tokens} tokens each)")
             records = asyncio.run(_answer_all(cfg, target_dir, tokenizer, multi, settings))
@@ -109,10 +125,13 @@ def conversation_prompts(cfg: DraftlineConfig, benchmark: Benchmark, target_dir:
     prompts: list[BenchPrompt] = []
     for conv in conversations:
         answered = histories.get(conv.id) or earlier_turns(conv.messages)
+        thinking = thinking_mode(cfg.data.thinking, conv.id, cfg.data.thinking_on_fraction)
+        kwargs = thinking_kwargs(tokenizer, thinking)
         for number, (_, text) in enumerate(user_turns(conv.messages), start=1):
             history = answered[: _before_user_turn(answered, number)] + [{"role": "user", "content": text}]
             prompt_id = conv.id if number == 1 else f"{conv.id}/turn{number}"
-            prompts.append(BenchPrompt(prompt_id, render(tokenizer, history)))
+            prompts.append(BenchPrompt(prompt_id, render(tokenizer, history, conv.tools, kwargs),
+                                       segment_of(conv.tools, history, thinking)))
     return prompts
 
 
@@ -138,7 +157,8 @@ def load_bench_prompts(cfg: DraftlineConfig, tokenizer, dataset_dir: Optional[Pa
         source = f"{cfg.bench.prompts} ({benchmark.path})"
     else:
         samples = load_split(dataset_dir, "bench")
-        prompts = [BenchPrompt(s["id"], prompt_from_sample(s)) for s in samples[:limit]]
+        prompts = [BenchPrompt(s["id"], prompt_from_sample(s), segment_of(s.get("tools"), s["messages"], s.get("thinking")))
+                   for s in samples[:limit]]
         source = f"{dataset_dir}/bench.jsonl"
     if not prompts:
         raise ValueError(f"no bench prompts in {source}; add prompts or raise data.split.bench_fraction")

@@ -11,6 +11,10 @@ Metrics (SGLang bench_serving's definitions):
                        counts server-side only (vLLM: `spec_counters()`), output tokens / its verify count (drafts)
                        over the load; its raw counters, own mean acceptance length (1 + accepted / drafts) and
                        per-position acceptance are in `engine_counters`
+  accept_length_by_segment  the same per prompt segment (has-tools, thinking-on, thinking-off, plain;
+                       bench/prompts.py segment_of), with its prompt count: a drafter trained on one mode is
+                       measured on each. Server-side counters are per load, so for vLLM this is from the streamed
+                       per-request stats only (None where an engine gives none)
   speedup              tokens/s against the target-only engine at the same concurrency, over all rounds, as
                        (sum tokens / sum request latency) per side (Little's law: proportional to tokens/s in a
                        closed loop), with a paired bootstrap interval over rounds and prompts (bench/stats.py)
@@ -36,7 +40,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from draftline.bench.prompts import BenchPrompt
+from draftline.bench.prompts import SEGMENTS, BenchPrompt
 from draftline.bench.stats import Interval, throughput_ratio
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.engines import make_engine
@@ -54,6 +58,7 @@ class RequestResult:
     chunk_gaps_s: list[float]
     latency_s: float
     stats: SpecStats
+    segment: str = "plain"  # the prompt's (bench/prompts.py SEGMENTS)
 
 
 @dataclass
@@ -166,10 +171,27 @@ class LoadRow:
             "lossless": self.lossless,
             "load_avg_1m": [min(run.load_avg_1m for run in self.runs), max(run.load_avg_1m for run in self.runs)],
             "phase_s": self.phase_seconds(wall_s),
+            "accept_length_by_segment": accept_length_by_segment(requests),
             "per_request_accept_lengths": [
                 round(r.stats.accept_length, 3) for r in self.runs[0].requests if r.stats.verify_steps
             ],
         }
+
+
+def accept_length_by_segment(requests: list[RequestResult]) -> dict[str, dict]:
+    """Per prompt segment present (has-tools, thinking-on, thinking-off, plain): accept length over its requests in
+    every round (output tokens / verify steps, as the whole row's) and how many prompts it holds."""
+    by_segment: dict[str, dict] = {}
+    for segment in SEGMENTS:
+        chosen = [r for r in requests if r.segment == segment]
+        if not chosen:
+            continue
+        stats = SpecStats()
+        for r in chosen:
+            stats = stats.merge(r.stats)
+        by_segment[segment] = {"accept_length": round(stats.accept_length, 3) if stats.verify_steps else None,
+                               "prompts": len({r.prompt_id for r in chosen})}
+    return by_segment
 
 
 def _accept_length(stats: SpecStats, engine_counters) -> Optional[float]:
@@ -211,7 +233,7 @@ async def run_request(engine: Engine, prompt: BenchPrompt, params: SamplingParam
         if chunk.stats is not None:
             stats = chunk.stats
     finished = time.perf_counter()
-    return RequestResult(prompt.id, output, (first or finished) - started, gaps, finished - started, stats)
+    return RequestResult(prompt.id, output, (first or finished) - started, gaps, finished - started, stats, prompt.segment)
 
 
 async def run_load(engine: Engine, prompts: list[BenchPrompt], concurrency: int, params: SamplingParams) -> LoadRun:
@@ -379,4 +401,14 @@ def format_table(rows: list[dict]) -> str:
     measured = sorted({r["cpu_of"] for r in rows if r.get("cpu_of")})
     if measured:
         lines.append(f"cpu speedup, cpu ms/tok: CPU time of {' / '.join(measured)}")
+    lines += [line for r in rows if (line := _segment_line(r))]
     return "\n".join(lines)
+
+
+def _segment_line(row: dict) -> str:
+    """'accept by segment, LABEL SPEC cCONC: has-tools 2.1 (3 prompts), plain 2.6 (7 prompts)' for a drafter row."""
+    segments = {k: v for k, v in (row.get("accept_length_by_segment") or {}).items() if v["accept_length"] is not None}
+    if not segments:
+        return ""
+    parts = ", ".join(f"{name} {v['accept_length']} ({v['prompts']} prompts)" for name, v in segments.items())
+    return f"accept by segment, {row['label']} {row['spec']} c{row['concurrency']}: {parts}"

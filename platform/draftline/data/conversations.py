@@ -3,8 +3,8 @@ UltraChat `data` (a list of strings, user and assistant alternating, user first)
 MT-bench's layout) or `prompt` (one user turn). Prompt-only conversations are regenerate's input (the target writes
 the replies) and a bench's; prepare needs an assistant turn to learn from.
 An assistant turn's `reasoning_content` (a reasoning target's thinking) is kept when it is a string.
-Tool use (a tool/function role, an assistant turn with `tool_calls` or `function_call`) is refused as `unsupported`:
-the loss mask covers plain chat turns only, and dropping the calls silently would train replies the target never gave.
+Tool use (OpenAI `tools`, `tool_calls` and `tool` turns, ShareGPT `function_call`/`observation` turns) is read into
+OpenAI's form by tool_turns.py; a malformed tool turn is a `tool_turn` bad input.
 
 Every problem becomes a `BadInput` naming the file, the line (1-based; parquet: row + 1) and what to do;
 nothing is silently dropped: the caller counts every one in the prepare report.
@@ -15,13 +15,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Optional
+
+from draftline.data.tool_turns import (
+    SHAREGPT_CALL_ROLE,
+    TOOL_RESULT_ROLES,
+    ToolTurnError,
+    assistant_calls,
+    check_results_follow_calls,
+    normalize_tools,
+    tool_result,
+)
 
 ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "chatgpt": "assistant"}
-# Roles (OpenAI, ShareGPT/LLaMA-Factory, Llama-3.1) and assistant fields that carry tool use.
-TOOL_ROLES = ("tool", "function", "function_call", "observation", "ipython")
-TOOL_CALL_FIELDS = ("tool_calls", "function_call")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "chatgpt": "assistant", SHAREGPT_CALL_ROLE: "assistant"}
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -38,7 +46,7 @@ class BadRecord:
 class BadInput:
     file: str
     line: int
-    kind: str  # malformed | unknown_role | no_assistant | no_user | bad_field | unsupported | template | over_length
+    kind: str  # malformed | unknown_role | no_assistant | no_user | bad_field | tool_turn | template | over_length
     message: str
 
     def __str__(self) -> str:
@@ -48,10 +56,11 @@ class BadInput:
 @dataclass
 class Conversation:
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict]
     file: str
     line: int
     extra: dict = field(default_factory=dict)
+    tools: Optional[list[dict]] = None  # OpenAI tool schemas the template renders (tool_turns.py)
 
 
 class NoConversationsError(ValueError):
@@ -115,11 +124,6 @@ def _ultrachat_turns(record: dict) -> object:
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(data)]
 
 
-def _unsupported(file: str, line: int, conv_id: str, turn: int, what: str) -> BadInput:
-    return BadInput(file, line, "unsupported", f"conversation {conv_id!r} turn {turn}: {what}; draftline's loss mask covers "
-                    "plain chat turns only (tool use is not supported yet): remove the tool turns or the conversation")
-
-
 def _prompt_turns(record: dict) -> object:
     if "turns" in record:
         turns = record["turns"]
@@ -134,47 +138,69 @@ FORMAT_KEYS = (("openai", "messages"), ("sharegpt", "conversations"), ("ultracha
                ("prompts", "prompt"))
 
 
-def _normalize(record: dict, fmt: str, where: tuple[str, int], conv_id: str) -> list[dict[str, str]] | BadInput:
-    file, line = where
+def _turns_of(record: dict, fmt: str) -> tuple[object, str, str, dict] | None:
+    """(turns, role key, content key, role map) of a record in format `fmt` (auto: the first key it has)."""
     if fmt == "auto":
         fmt = next((f for f, key in FORMAT_KEYS if key in record), "")
     if fmt == "prompts":
-        turns, role_key, content_key, role_map = _prompt_turns(record), "role", "content", {"user": "user"}
-    elif fmt == "ultrachat":
-        turns, role_key, content_key, role_map = _ultrachat_turns(record), "role", "content", {"user": "user", "assistant": "assistant"}
-    elif fmt == "openai":
-        turns, role_key, content_key, role_map = record.get("messages"), "role", "content", {r: r for r in ROLES}
-    elif fmt == "sharegpt":
-        turns, role_key, content_key, role_map = record.get("conversations"), "from", "value", SHAREGPT_ROLES
-    else:
+        return _prompt_turns(record), "role", "content", {"user": "user"}
+    if fmt == "ultrachat":
+        return _ultrachat_turns(record), "role", "content", {"user": "user", "assistant": "assistant"}
+    if fmt == "openai":
+        return record.get("messages"), "role", "content", {r: r for r in ROLES}
+    if fmt == "sharegpt":
+        return record.get("conversations"), "from", "value", SHAREGPT_ROLES
+    return None
+
+
+def _normalize(record: dict, fmt: str, where: tuple[str, int], conv_id: str) -> tuple[list[dict], Optional[list]] | BadInput:
+    """-> (messages, tools) or the record's first problem."""
+    file, line = where
+    read = _turns_of(record, fmt)
+    if read is None:
         return BadInput(file, line, "bad_field", "no 'messages' (OpenAI), 'conversations' (ShareGPT), 'data' (UltraChat), "
                         "'turns' or 'prompt' field; add one of them")
+    turns, role_key, content_key, role_map = read
     if not isinstance(turns, list) or not turns:
         return BadInput(file, line, "bad_field", f"field for {fmt} format must be a non-empty list of turns")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            return BadInput(file, line, "bad_field", f"turn {i} is {type(turn).__name__}, expected an object with {role_key}/{content_key}")
-        role = turn.get(role_key)
-        if role in TOOL_ROLES:
-            return _unsupported(file, line, conv_id, i, f"{role_key}={role!r} is a tool turn")
-        if any(turn.get(key) for key in TOOL_CALL_FIELDS):
-            key = next(key for key in TOOL_CALL_FIELDS if turn.get(key))
-            return _unsupported(file, line, conv_id, i, f"the turn has {key}")
-        if role not in role_map:
-            allowed = ", ".join(sorted(role_map))
-            return BadInput(file, line, "unknown_role", f"turn {i} has {role_key}={role!r}; allowed: {allowed}")
-        content = turn.get(content_key)
-        if not isinstance(content, str):
-            return BadInput(file, line, "bad_field", f"turn {i} {content_key} must be a string, got {type(content).__name__}")
-        message = {"role": role_map[role], "content": content}
-        if role_map[role] == "assistant" and isinstance(turn.get("reasoning_content"), str):
-            message["reasoning_content"] = turn["reasoning_content"]
-        messages.append(message)
-    return messages
+    try:
+        tools = normalize_tools(record.get("tools"))
+        messages, record_turns = [], []
+        for i, turn in enumerate(turns):
+            message = _message(turn, i, role_key, content_key, role_map)
+            if isinstance(message, tuple):
+                return BadInput(file, line, *message)
+            messages.append(message)
+            record_turns.append(i)
+        check_results_follow_calls(messages, record_turns)
+    except ToolTurnError as err:
+        return BadInput(file, line, "tool_turn", f"conversation {conv_id!r} {err}")
+    return messages, tools
 
 
-def _missing_turn(messages: list[dict[str, str]], need_reply: bool, where: tuple[str, int]) -> BadInput | None:
+def _message(turn: object, i: int, role_key: str, content_key: str, role_map: dict) -> dict | tuple[str, str]:
+    """One turn in the form templates take, or (bad input kind, message). ToolTurnError: a malformed tool turn."""
+    if not isinstance(turn, dict):
+        return "bad_field", f"turn {i} is {type(turn).__name__}, expected an object with {role_key}/{content_key}"
+    role = turn.get(role_key)
+    if role in TOOL_RESULT_ROLES:
+        return tool_result(turn, i, content_key)
+    if role not in role_map:
+        allowed = ", ".join(sorted(set(role_map) | set(TOOL_RESULT_ROLES)))
+        return "unknown_role", f"turn {i} has {role_key}={role!r}; allowed: {allowed}"
+    calls = assistant_calls(turn, i, content_key) if role_map[role] == "assistant" else None
+    content = "" if role == SHAREGPT_CALL_ROLE or (calls and turn.get(content_key) is None) else turn.get(content_key)
+    if not isinstance(content, str):
+        return "bad_field", f"turn {i} {content_key} must be a string, got {type(content).__name__}"
+    message = {"role": role_map[role], "content": content}
+    if role_map[role] == "assistant" and isinstance(turn.get("reasoning_content"), str):
+        message["reasoning_content"] = turn["reasoning_content"]
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _missing_turn(messages: list[dict], need_reply: bool, where: tuple[str, int]) -> BadInput | None:
     if not need_reply and not any(m["role"] == "user" for m in messages):
         return BadInput(*where, "no_user", "conversation has no user turn, so nothing prompts a reply; add one or remove it")
     if need_reply and not any(m["role"] == "assistant" for m in messages):
@@ -206,13 +232,14 @@ def read_conversations(
             continue
         given_id = record.get("id", record.get("question_id"))  # MT-bench numbers its questions
         conv_id = str(given_id) if given_id not in (None, "") else f"{path.name}:{line}"
-        messages = _normalize(record, fmt, (str(path), line), conv_id)
-        if not isinstance(messages, BadInput):
-            messages = _missing_turn(messages, need_reply, (str(path), line)) or messages
-        if isinstance(messages, BadInput):
-            bad.append(messages)
+        read = _normalize(record, fmt, (str(path), line), conv_id)
+        if not isinstance(read, BadInput):
+            read = _missing_turn(read[0], need_reply, (str(path), line)) or read
+        if isinstance(read, BadInput):
+            bad.append(read)
             continue
-        good.append(Conversation(id=conv_id, messages=messages, file=str(path), line=line))
+        messages, tools = read
+        good.append(Conversation(id=conv_id, messages=messages, file=str(path), line=line, tools=tools))
     return good, bad
 
 

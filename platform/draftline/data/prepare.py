@@ -17,6 +17,7 @@ from draftline.data.contamination import HeldOutIndex
 from draftline.data.conversations import BadInput, Conversation, DataError, drop_duplicate_ids, read_conversations
 from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn_text
 from draftline.data.sources import check_regenerated_for_target, conversations_path
+from draftline.data.thinking import check_thinking_switch, thinking_kwargs, thinking_mode
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
 from draftline.target.load import resolve_target_dir
 from draftline.utils import (
@@ -42,8 +43,9 @@ def tokenizer_fingerprint(target_dir: Path) -> str:
 
 
 def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, held_out: list[Benchmark]) -> str:
-    return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir), cfg.data.model_dump(mode="json"),
-                       [b.sha256 for b in held_out])[:16]
+    unset = {"thinking", "thinking_on_fraction"} if cfg.data.thinking is None else set()  # earlier hashes stay valid
+    return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir),
+                       cfg.data.model_dump(mode="json", exclude=unset), [b.sha256 for b in held_out])[:16]
 
 
 def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
@@ -85,6 +87,7 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
             "the target is served; use the instruct/chat model, or add its template as chat_template.jinja to that "
             "directory (see docs/chat-templates.md)"
         )
+    check_thinking_switch(tokenizer, cfg.data.thinking)
     target_vocab_size = len(tokenizer)
     conversations, problems = read_conversations(conv_path, cfg.data.format)
     records_read = len(conversations) + len(problems)
@@ -95,8 +98,9 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
     conversations, copies = drop_benchmark_prompts(conversations, held_out)
     problems += duplicates + copies
     for conv in conversations:
+        thinking = thinking_mode(cfg.data.thinking, conv.id, cfg.data.thinking_on_fraction)
         try:
-            sample = build_masked_sample(tokenizer, conv.messages, eot)
+            sample = build_masked_sample(tokenizer, conv.messages, eot, conv.tools, thinking_kwargs(tokenizer, thinking))
         except TemplateError as err:
             problems.append(BadInput(conv.file, conv.line, "template", f"conversation {conv.id!r} {err}"))
             continue
@@ -112,7 +116,12 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
                 problems.append(BadInput(conv.file, conv.line, "over_length", f"{detail}; after truncation no assistant token is left"))
                 continue
         split = split_of(conv.id, cfg.data.split.val_fraction, cfg.data.split.bench_fraction)
-        splits[split].append({"id": conv.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask, "messages": conv.messages})
+        record = {"id": conv.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask, "messages": conv.messages}
+        if conv.tools:
+            record["tools"] = conv.tools
+        if thinking:
+            record["thinking"] = thinking
+        splits[split].append(record)
 
     # Over-long samples follow data.over_length; every other problem follows data.on_bad_input.
     over_length = [p for p in problems if p.kind == "over_length"]

@@ -64,8 +64,9 @@ def sampling_settings(cfg: DraftlineConfig) -> dict:
 def output_key(cfg: DraftlineConfig, source_sha256: str, target_fp: str) -> str:
     engine = {k: v for k, v in engine_description(cfg).items() if k != "base_urls"}  # where a server runs changes nothing
     regen = cfg.regenerate
+    thinking = (cfg.data.thinking, cfg.data.thinking_on_fraction) if cfg.data.thinking else None  # earlier keys stay valid
     return stable_hash(source_sha256, cfg.data.format, target_fp, engine, sampling_settings(cfg), regen.limit,
-                       regen.conversations_per_shard, regen.reasoning_tags)[:16]
+                       regen.conversations_per_shard, regen.reasoning_tags, *([thinking] if thinking else []))[:16]
 
 
 def output_dir(cfg: DraftlineConfig, target_dir: Path) -> Path:

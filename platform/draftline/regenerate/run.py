@@ -5,6 +5,14 @@ regenerated history before it: an assistant turn that follows it is rewritten, a
 input, the usual case). The chat template renders the prompt; generation stops at the template's end of turn or
 after `regenerate.max_new_tokens_per_turn`. A reasoning target's thinking goes into `reasoning_content`.
 
+Tool use: the record's `tools` are rendered into every prompt, and the recorded tool results are kept (tools are not
+run again). The assistant turns around them are the target's: a reply after a tool result is regenerated like one
+after a user turn, and a recorded tool-call turn is regenerated too. When the target's turn renders exactly as the
+recorded call does (same calls, same arguments, as the template writes them), the recorded call and its results are
+kept; when it does not, the recorded result answers a call the target did not make, so the conversation stops there:
+the target's own turn is kept as its last message (its text, the call as the target wrote it) and the rest is
+dropped; `regenerated.stopped` says at which turn and why, and the manifest counts such conversations.
+
 Scale-out: the conversations are cut into shards; Ray actors (`regenerate.num_replicas`), each holding an engine
 (regenerate.engine, default the serving engine, through engines/base.py's protocol, or a connection to running
 OpenAI-compatible servers), take
@@ -38,7 +46,7 @@ from draftline.data.conversations import (
     drop_duplicate_ids,
     read_conversations,
 )
-from draftline.data.masks import end_of_turn_text
+from draftline.data.masks import TemplateError, end_of_turn_text, render
 from draftline.data.sources import (
     MANIFEST_KIND,
     engine_description,
@@ -46,6 +54,7 @@ from draftline.data.sources import (
     sampling_settings,
     source_conversations_path,
 )
+from draftline.data.thinking import check_thinking_switch, thinking_kwargs, thinking_mode
 from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
 from draftline.raycluster import ensure_ray
@@ -73,6 +82,8 @@ class TurnSettings:
     stop_token_ids: tuple[int, ...]
     end_of_turn: str
     reasoning_tags: Optional[tuple[str, str]]
+    thinking: Optional[str] = None  # data.thinking
+    thinking_on_fraction: float = 0.5
 
 
 def turn_settings(cfg: DraftlineConfig, tokenizer) -> TurnSettings:
@@ -84,37 +95,75 @@ def turn_settings(cfg: DraftlineConfig, tokenizer) -> TurnSettings:
         tags = DEFAULT_REASONING_TAGS if all(t in vocab for t in DEFAULT_REASONING_TAGS) else None
     regen = cfg.regenerate
     return TurnSettings(regen.temperature, regen.top_p, regen.max_new_tokens_per_turn, cfg.seed, stop_ids, eot,
-                        tuple(tags) if tags else None)
+                        tuple(tags) if tags else None, cfg.data.thinking, cfg.data.thinking_on_fraction)
 
 
-def _prompt_ids(tokenizer, history: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+def _prompt_ids(tokenizer, history: list[dict], tools: Optional[list[dict]], template_kwargs: dict) -> list[int]:
+    text = render(tokenizer, history, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def reply_slots(messages: list[dict]) -> list[Optional[dict]]:
-    """The conversation as regenerated output is laid out: kept turns, and None where the target replies (after
-    every user turn: in place of the assistant turn that follows it, or inserted where none does)."""
-    slots: list[Optional[dict]] = []
+@dataclass(frozen=True)
+class ReplySlot:
+    """Where the target replies; `recorded` is the assistant turn the source had there (None: inserted)."""
+
+    recorded: Optional[dict] = None
+
+
+def reply_slots(messages: list[dict]) -> list[dict | ReplySlot]:
+    """The conversation as regenerated output is laid out: kept turns (system, user, tool results), and a ReplySlot
+    where the target replies (after every user turn and every run of tool results: in place of the assistant turn
+    that follows it, or inserted where none does)."""
+    slots: list[dict | ReplySlot] = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            slots.append(None)
+            slots.append(ReplySlot(message))
             continue
         slots.append(message)
-        answered = i + 1 < len(messages) and messages[i + 1]["role"] == "assistant"
-        if message["role"] == "user" and not answered:
-            slots.append(None)
+        following = messages[i + 1]["role"] if i + 1 < len(messages) else None
+        awaits_reply = message["role"] == "user" or (message["role"] == "tool" and following != "tool")
+        if awaits_reply and following != "assistant":
+            slots.append(ReplySlot())
     return slots
 
 
+def recorded_call_if_reproduced(tokenizer, history: list[dict], tools: Optional[list[dict]], recorded: dict,
+                                generated: str, reasoning: Optional[str], end_of_turn: str,
+                                template_kwargs: dict) -> Optional[dict]:
+    """The recorded tool-call turn (with the target's reasoning) when the template renders it as exactly the text the
+    target generated, else None. Compared as rendered text, so no per-template call parser is needed."""
+    for content in dict.fromkeys((recorded.get("content") or "", "")):
+        candidate = {"role": "assistant", "content": content, "tool_calls": recorded["tool_calls"]}
+        if reasoning is not None:
+            candidate["reasoning_content"] = reasoning
+        try:
+            prompt = render(tokenizer, history, tools, add_generation_prompt=True, template_kwargs=template_kwargs)
+            whole = render(tokenizer, history + [candidate], tools, template_kwargs=template_kwargs)
+        except TemplateError:
+            return None
+        if not whole.startswith(prompt):
+            return None
+        rendered = whole[len(prompt):]
+        if end_of_turn:
+            rendered = rendered.split(end_of_turn, 1)[0]
+        if rendered.strip() == generated.strip():
+            return candidate
+    return None
+
+
 async def regenerate_conversation(engine, tokenizer, conversation: dict, settings: TurnSettings) -> dict:
-    """One conversation, turn by turn -> {"id", "messages", "regenerated": {...}}. ValueError: the engine refused a turn."""
+    """One conversation, turn by turn -> {"id", "messages", "tools"?, "regenerated": {...}}. ValueError: the engine
+    refused a turn."""
+    tools = conversation.get("tools")
+    thinking = thinking_mode(settings.thinking, conversation["id"], settings.thinking_on_fraction)
+    template_kwargs = thinking_kwargs(tokenizer, thinking)
     history: list[dict] = []
     finish_reasons: list[Optional[str]] = []
     output_tokens = 0
-    for turn_index, message in enumerate(reply_slots(conversation["messages"])):
-        if message is not None:
-            history.append(dict(message))
+    stopped = None
+    for turn_index, slot in enumerate(reply_slots(conversation["messages"])):
+        if not isinstance(slot, ReplySlot):
+            history.append(dict(slot))
             continue
         params = SamplingParams(
             max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
@@ -124,7 +173,7 @@ async def regenerate_conversation(engine, tokenizer, conversation: dict, setting
         )
         pieces: list[str] = []
         tokens = 0
-        async for chunk in engine.generate(_prompt_ids(tokenizer, history), params):
+        async for chunk in engine.generate(_prompt_ids(tokenizer, history, tools, template_kwargs), params):
             pieces.append(chunk.text)
             tokens += len(chunk.token_ids)
             if chunk.finished:
@@ -138,9 +187,25 @@ async def regenerate_conversation(engine, tokenizer, conversation: dict, setting
         reply = {"role": "assistant", "content": content}
         if reasoning is not None:
             reply["reasoning_content"] = reasoning
+        if slot.recorded is not None and slot.recorded.get("tool_calls"):
+            same = recorded_call_if_reproduced(tokenizer, history, tools, slot.recorded, text, reasoning,
+                                               settings.end_of_turn, template_kwargs)
+            if same is None:
+                history.append(reply)
+                stopped = {"turn": len(history) - 1, "reason": "the target's turn differs from the recorded tool "
+                           "call, so the recorded tool result cannot follow it"}
+                break
+            reply = same
         history.append(reply)
-    return {"id": conversation["id"], "messages": history,
-            "regenerated": {"output_tokens": output_tokens, "finish_reasons": finish_reasons}}
+    record = {"id": conversation["id"], "messages": history}
+    if tools:
+        record["tools"] = tools
+    if thinking:
+        record["thinking"] = thinking
+    record["regenerated"] = {"output_tokens": output_tokens, "finish_reasons": finish_reasons}
+    if stopped:
+        record["regenerated"]["stopped"] = stopped
+    return record
 
 
 # ------------------------------------------------------------------------------------------------ replicas
@@ -262,7 +327,8 @@ def _write_shard(out_dir: Path, index: int, shard: list[Conversation], results: 
     data_path, info_path = _shard_paths(out_dir, index)
     atomic_write_text(data_path, "".join(json.dumps(r) + "\n" for r in records))
     info = {"conversations": len(records), "output_tokens": sum(r["regenerated"]["output_tokens"] for r in records),
-            "finish_reasons": dict(finish), "bad_input": problems, "sha256": sha256_file(data_path)}
+            "finish_reasons": dict(finish), "bad_input": problems, "sha256": sha256_file(data_path),
+            "stopped_at_tool_call": sum(1 for r in records if "stopped" in r["regenerated"])}
     atomic_write_json(info_path, info)
     return info
 
@@ -309,7 +375,7 @@ class ReplicaPool:
         while queue or busy:
             while queue and idle:
                 replica, index = idle.pop(0), queue.popleft()
-                payload = [{"id": c.id, "messages": c.messages} for c in shards[index]]
+                payload = [{"id": c.id, "messages": c.messages, "tools": c.tools} for c in shards[index]]
                 busy[self.replicas[replica].run_shard.remote(payload)] = (replica, index)
             if not busy and not recovering:
                 raise RuntimeError(
@@ -378,6 +444,11 @@ def regenerate(cfg: DraftlineConfig, target_dir: Optional[Path] = None) -> Regen
     target_fp = target_fingerprint(target_dir)
     out_dir = cfg.data_path("regenerated", output_key(cfg, source_sha256, target_fp))
 
+    if cfg.data.thinking:
+        from transformers import AutoTokenizer  # heavy: loaded only to check the template's thinking switch
+
+        check_thinking_switch(AutoTokenizer.from_pretrained(target_dir, trust_remote_code=cfg.target.trust_remote_code),
+                              cfg.data.thinking)
     conversations, problems = read_conversations(source, cfg.data.format, need_reply=False)
     records_read = len(conversations) + len(problems)
     conversations, duplicates = drop_duplicate_ids(conversations)
@@ -446,6 +517,8 @@ def regenerate(cfg: DraftlineConfig, target_dir: Optional[Path] = None) -> Regen
         "conversations": sum(info["conversations"] for info in finished.values()),
         "output_tokens": sum(info["output_tokens"] for info in finished.values()),
         "finish_reasons": dict(finish),
+        # conversations cut at a tool call the target made differently from the recorded one (module docstring)
+        "stopped_at_tool_call": sum(info.get("stopped_at_tool_call", 0) for info in finished.values()),
         "shards": [{"file": _shard_paths(out_dir, i)[0].name, **{k: finished[i][k] for k in ("conversations", "output_tokens", "sha256")}}
                    for i in sorted(shards)],
         "conversations_sha256": sha256_file(merged),
@@ -467,6 +540,7 @@ def summary_text(result: RegenerateResult) -> str:
         f"  shards: {result.shards_generated} generated now, {result.shards_total - result.shards_generated} finished before; "
         f"replica deaths {result.replica_deaths}",
         f"  finish reasons: {manifest['finish_reasons']}",
+        f"  stopped at a tool call the target made differently: {manifest['stopped_at_tool_call']}",
         f"  bad input: {manifest['bad_input']['count']} ({', '.join(f'{k}={v}' for k, v in manifest['bad_input']['by_kind'].items()) or 'none'})",
     ]
     lines += [f"    {item}" for item in manifest["bad_input"]["items"][:5]]

@@ -124,8 +124,7 @@ def test_bench_splits_accept_length_by_segment(tmp_path, tiny_target_dir, fitted
              {"id": "plain-1", "prompt": "What does `def split(p)` in posixpath do?"},
              {"id": "plain-2", "prompt": "What does `def basename(p)` in posixpath do?"}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    cfg = make_test_config(tmp_path / "data", SMALL_BENCH + [f"bench.prompts={path}", "bench.concurrency=[1]",
-                                                              "bench.rounds=1"])
+    cfg = make_test_config(extra=SMALL_BENCH + [f"bench.prompts={path}", "bench.concurrency=[1]", "bench.rounds=1"])
     report = run_bench(cfg, [("fitted", fitted_drafter_dir, None)], log=lambda _: None)
     baseline, speculative = report["rows"]
     assert baseline["accept_length_by_segment"] == {"has-tools": {"accept_length": None, "prompts": 1},

@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml
@@ -35,6 +36,7 @@ from draftline.extract.shards import (
 from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
 from draftline.raycluster import ensure_ray
+from draftline.records import StageRecord, written_if_set
 from draftline.target.aux_layers import family_of
 from draftline.target.load import read_target_config, resolve_aux_layer_ids, resolve_target_dir, target_fingerprint
 from draftline.target.stages import remove_stage_groups
@@ -477,6 +479,42 @@ def summary_text(results: list[SplitResult]) -> str:
 class ExtractResult:
     location: Path | str  # <hidden_root>/<hash>: a Path for local storage, the URI string otherwise
     splits: dict[str, SplitResult]
+
+
+@dataclass(frozen=True)
+class ExtractedSplit:
+    """What the extract stage records of a split's manifest (None where a manifest lacks the key)."""
+
+    total_samples: Optional[int]
+    total_tokens: Optional[int]
+    bytes_per_token: Optional[float]
+    target_fingerprint: Optional[str]
+
+
+@dataclass(frozen=True)
+class ExtractRecord(StageRecord):
+    """The extract stage's output. Offline: where the shards are and a summary of each split. Online
+    (extract.mode=online): no shards (hidden_dir None); what the stream will carry."""
+
+    STAGE = "extract"
+    hidden_dir: Optional[str]
+    splits: Optional[dict[str, ExtractedSplit]] = written_if_set()
+    mode: Optional[str] = written_if_set()  # "online", or not written (offline)
+    streamed_bytes_per_token: Optional[int] = written_if_set()
+    aux_layer_ids: Optional[list[int]] = written_if_set()
+
+    @classmethod
+    def offline(cls, result: "ExtractResult") -> "ExtractRecord":
+        return cls(hidden_dir=str(result.location), splits={
+            name: ExtractedSplit(**{k: r.manifest.get(k) for k in
+                                    ("total_samples", "total_tokens", "bytes_per_token", "target_fingerprint")})
+            for name, r in result.splits.items()
+        })
+
+    @classmethod
+    def online(cls, streamed_bytes_per_token: int, aux_layer_ids: list[int]) -> "ExtractRecord":
+        return cls(hidden_dir=None, mode="online", streamed_bytes_per_token=streamed_bytes_per_token,
+                   aux_layer_ids=aux_layer_ids)
 
 
 def extract_with_stats(

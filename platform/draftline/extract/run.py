@@ -19,6 +19,7 @@ from typing import Optional
 from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml
 from draftline.data.prepare import load_split, prepare, tokenizer_fingerprint
+from draftline.extract.job import ExtractionJob, SplitAssignment
 from draftline.extract.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -244,20 +245,17 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
     resources_per_worker = {"CPU": cfg.extract.cpus_per_worker}
     if worker_gpu:
         resources_per_worker["GPU"] = 1
-    splits = [
-        {"split": job.split, "location": job.storage.location, "split_tokens_ref": ray.put(job.split_tokens)}
-        for job in jobs
-    ]
     storage_full_sink = actor_on_driver_node(StorageFullSink)
+    extraction_job = ExtractionJob(
+        cfg=cfg,
+        plan=plan,
+        splits=[SplitAssignment(job.split, job.storage.location, ray.put(job.split_tokens)) for job in jobs],
+        fault=faults.planned("extract.shards"),
+        storage_full_sink=storage_full_sink,
+    )
     trainer = TorchTrainer(
         extract_loop_per_worker,
-        train_loop_config={
-            "config": cfg.model_dump(mode="json"),
-            "plan": plan,
-            "splits": splits,
-            "fault": faults.planned("extract.shards"),
-            "storage_full_sink": storage_full_sink,
-        },
+        train_loop_config=extraction_job.to_loop_config(),
         scaling_config=ScalingConfig(
             num_workers=cfg.extract.num_workers, use_gpu=worker_gpu, resources_per_worker=resources_per_worker
         ),

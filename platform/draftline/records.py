@@ -1,4 +1,6 @@
-"""What a pipeline stage hands the stages after it: a typed record, one dataclass per stage (docs/architecture.md).
+"""What crosses a boundary between stages, or from a driver into its workers: typed records (docs/architecture.md).
+
+A pipeline stage hands the stages after it one dataclass per stage.
 
 A record class mixes in `StageRecord`: `to_dict()` writes it as the `outputs` of its stage record file
 (`<data_dir>/pipeline/<config>/stages/<stage>.json`) and `from_dict()` reads it back, checking every field against
@@ -19,6 +21,7 @@ from typing import Any, ClassVar, Mapping, TypeVar, Union
 OMIT_IF_NONE = "omit_if_none"
 
 R = TypeVar("R", bound="StageRecord")
+J = TypeVar("J", bound="WorkerJob")
 
 
 class RecordError(ValueError):
@@ -43,6 +46,23 @@ class StageRecord:
     def from_dict(cls: type[R], data: Any, source: Union[str, Path]) -> R:
         """`source`: the file the dict was read from, for the error."""
         return _read_dataclass(cls, data, f"{cls.STAGE} stage record {source}", "outputs", cls.STAGE)
+
+
+class WorkerJob:
+    """Mixin for the one record a driver hands its Ray Train workers: `train_loop_config` holds it under KEY."""
+
+    KEY: ClassVar[str]
+
+    def to_loop_config(self) -> dict:
+        return {self.KEY: self}
+
+    @classmethod
+    def from_loop_config(cls: type[J], loop_config: dict) -> J:
+        job = loop_config.get(cls.KEY)
+        if not isinstance(job, cls):
+            raise TypeError(f"train_loop_config holds {sorted(loop_config)}, not the {cls.__name__} under {cls.KEY!r}: "
+                            f"start the workers with {cls.__name__}.to_loop_config()")
+        return job
 
 
 def _plain(value: Any) -> Any:

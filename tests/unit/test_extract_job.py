@@ -27,5 +27,5 @@ def test_an_extraction_job_round_trips_through_the_loop_config(tmp_path):
 
 
 def test_a_worker_given_the_old_dict_says_how_to_start_it():
-    with pytest.raises(TypeError, match=r"not an ExtractionJob under 'extraction_job'.*ExtractionJob.to_loop_config"):
+    with pytest.raises(TypeError, match=r"not the ExtractionJob under 'extraction_job'.*ExtractionJob.to_loop_config"):
         ExtractionJob.from_loop_config({"config": {}, "plan": {}, "splits": []})

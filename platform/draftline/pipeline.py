@@ -3,9 +3,10 @@
 bootstrap (embedded or gguf) -> regenerate (regenerate.enabled) -> prepare -> extract -> train (+export, register) -> gate -> promote -> serve.
 
 Each stage records what it was run on (a hash of its config sections and its upstream outputs) and what it produced
-(its typed record, draftline.records) in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose record matches and whose outputs still exist
-is skipped, so a rerun after a failure continues where it stopped; `--from STAGE` forces that stage and what follows.
-A stage whose output is a process (serve: a live endpoint) also has to be running now, for this run, to be skipped.
+(its typed record, draftline.records) in `<data_dir>/pipeline/<config name>/stages/<stage>.json`. A stage whose
+record matches and whose outputs still exist is skipped, so a rerun after a failure continues where it stopped;
+`--from STAGE` forces that stage and what follows. A stage whose output is a process (serve: a live endpoint) also
+has to be running now, for this run, to be skipped.
 Each stage's output goes to `<...>/logs/<stage>.log`, and only draftline's own lines also to the terminal
 (draftline.stagelog); what comes between stages goes to `<...>/logs/pipeline.log` the same way. The final report is
 printed and written as report.md.
@@ -53,7 +54,7 @@ class Context:
 
     def record(self, record_type: type[R]) -> R:
         """The output of the stage that writes `record_type`, run or read back earlier in this run."""
-        return self.outputs[record_type.STAGE]  # type: ignore[return-value]  (Stage.record ties the name to the type)
+        return self.outputs[record_type.STAGE]  # of that type: Stage.record ties each stage's name to its type
 
 
 @dataclass(frozen=True)
@@ -156,11 +157,12 @@ def _regenerate_engine_key(cfg: DraftlineConfig) -> dict:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("bootstrap", _stage_bootstrap, BootstrapRecord, ("target", "seed"), (), applies=lambda cfg: cfg.target.kind in ("embedded", "gguf"),
-          output_paths=("target_dir",)),
+    Stage("bootstrap", _stage_bootstrap, BootstrapRecord, ("target", "seed"), (),
+          applies=lambda cfg: cfg.target.kind in ("embedded", "gguf"), output_paths=("target_dir",)),
     Stage("regenerate", _stage_regenerate, RegenerateRecord, ("regenerate", "data", "seed"), ("bootstrap",),
           applies=lambda cfg: cfg.regenerate.enabled, output_paths=("conversations",), derived=_regenerate_engine_key),
-    Stage("prepare", _stage_prepare, PrepareRecord, ("data",), ("bootstrap", "regenerate"), output_paths=("dataset_dir",)),
+    Stage("prepare", _stage_prepare, PrepareRecord, ("data",), ("bootstrap", "regenerate"),
+          output_paths=("dataset_dir",)),
     Stage("extract", _stage_extract, ExtractRecord, ("extract", "target"), ("prepare",), output_paths=("hidden_dir",)),
     Stage("train", _stage_train, TrainResult, ("train", "tracking"), ("extract",), output_paths=("export_dir",)),
     Stage("gate", _stage_gate, GateRecord, ("gate", "bench", "engine"), ("train",)),

@@ -118,7 +118,7 @@ def main() -> int:
             version = register(cfg, drafter_dir)
             started = time.perf_counter()
             decision = run_gate(cfg, version, log=lambda line: print(line, flush=True))
-            record = decision.to_record()
+            record = decision.to_record().to_dict()
             runs.append({
                 "run": index + 1, "verdict": decision.verdict, "rounds": decision.rounds,
                 "intervals": record["intervals"], "accept_length": record["bench"]["accept_length"],

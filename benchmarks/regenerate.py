@@ -121,7 +121,7 @@ def main() -> int:
     result = {
         "config": args.config, "overrides": args.overrides, "steps": args.steps, "seed": base.seed,
         "num_steps": num_steps, "bench_prompts": len(bench_prompts), "bench_max_new_tokens": base.bench.max_new_tokens,
-        "regenerate": {**regen.to_record(), "seconds": round(regen_seconds, 1),
+        "regenerate": {**regen.to_record().to_dict(), "seconds": round(regen_seconds, 1),
                        "conversations_per_s": round(regen.conversations / regen_seconds, 2),
                        "tokens_per_s": round(regen.output_tokens / regen_seconds, 1)},
         "drafters": rows,

@@ -45,6 +45,7 @@ EXPECTED_ERRORS = frozenset({
     "draftline.engines.sglang.preflight.PreflightError",
     "draftline.extract.shards.IncompatibleHiddenStates",
     "draftline.extract.shards.ShardError",
+    "draftline.records.RecordError",
     "draftline.registry.RegistryError",
     "draftline.release.ReleaseError",
     "draftline.serving.control.ServingError",

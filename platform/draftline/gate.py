@@ -25,12 +25,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from draftline.bench.run import plan_bench
 from draftline.bench.runner import BASELINE, LoadRow, gap_cells
 from draftline.bench.stats import percentile_ratio
 from draftline.config import DraftlineConfig, GateConfig
+from draftline.records import StageRecord
 from draftline.registry import CHAMPION, RegistryError, get_version, latest_version, resolve_alias, trained_dataset_dir
 from draftline.tracking import GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_RUN_TAG, GATE_TAG, mlflow_client
 
@@ -66,44 +67,81 @@ class GateDecision:
             return "passed"
         return "failed" if any(c.outcome == FAIL for c in self.checks) else "inconclusive"
 
-    def to_record(self) -> dict:
+    def to_record(self) -> "GateRecord":
         """A compact summary for the pipeline's stage record and report (candidate at the lowest concurrency)."""
         rows = sorted(_rows(self.bench, f"v{self.version}"), key=lambda row: row["concurrency"]) if self.bench else []
         first = rows[0] if rows else {}
         baseline = next((r for r in self.bench.get("rows", []) if r["label"] == BASELINE
                          and r["concurrency"] == first.get("concurrency")), {})
-        return {
-            "version": self.version,
-            "passed": self.passed,
-            "verdict": self.verdict,
-            "reasons": [c.detail for c in self.checks if not c.passed],
-            "checks": {c.name: c.passed for c in self.checks},
-            "intervals": {c.name: c.interval for c in self.checks if c.interval is not None},
-            "rounds": self.rounds,
-            "machine_load": self.bench.get("machine_load"),
-            "run_id": self.run_id,
-            "champion_version": self.champion_version,
-            "bench": {
-                "concurrency": first.get("concurrency"),
-                "accept_length": first.get("accept_length"),
-                "speedup": first.get("speedup"),
-                "speedup_ci": first.get("speedup_ci"),
-                "cpu_speedup": first.get("cpu_speedup"),
-                "tokens_per_s": first.get("output_tokens_per_s"),
-                "baseline_tokens_per_s": baseline.get("output_tokens_per_s"),
-                "ttft_p50_ms": first.get("ttft_ms_p50"),
-                "itl_p50_ms": first.get("itl_ms_p50"),
-                "itl_p99_ms": first.get("itl_ms_p99"),
-                "lossless": all(r["lossless"] is True for r in rows) if rows else None,
-                "per_request_accept_lengths": first.get("per_request_accept_lengths", []),
-                "rows": [{k: v for k, v in r.items() if k != "per_request_accept_lengths"} for r in self.bench.get("rows", [])],
-            },
-        }
+        return GateRecord(
+            version=self.version,
+            passed=self.passed,
+            verdict=self.verdict,
+            reasons=[c.detail for c in self.checks if not c.passed],
+            checks={c.name: c.passed for c in self.checks},
+            intervals={c.name: c.interval for c in self.checks if c.interval is not None},
+            rounds=self.rounds,
+            machine_load=self.bench.get("machine_load"),
+            run_id=self.run_id,
+            champion_version=self.champion_version,
+            bench=GateBench(
+                concurrency=first.get("concurrency"),
+                accept_length=first.get("accept_length"),
+                speedup=first.get("speedup"),
+                speedup_ci=first.get("speedup_ci"),
+                cpu_speedup=first.get("cpu_speedup"),
+                tokens_per_s=first.get("output_tokens_per_s"),
+                baseline_tokens_per_s=baseline.get("output_tokens_per_s"),
+                ttft_p50_ms=first.get("ttft_ms_p50"),
+                itl_p50_ms=first.get("itl_ms_p50"),
+                itl_p99_ms=first.get("itl_ms_p99"),
+                lossless=all(r["lossless"] is True for r in rows) if rows else None,
+                per_request_accept_lengths=first.get("per_request_accept_lengths", []),
+                rows=[{k: v for k, v in r.items() if k != "per_request_accept_lengths"} for r in self.bench.get("rows", [])],
+            ),
+        )
 
     @property
     def reasons(self) -> str:
         failed = [c.detail for c in self.checks if not c.passed]
         return "; ".join(failed) if failed else "all checks passed"
+
+
+@dataclass(frozen=True)
+class GateBench:
+    """The candidate's bench row at the lowest concurrency, and every row less the per-request accept lengths."""
+
+    concurrency: Optional[int]
+    accept_length: Optional[float]
+    speedup: Optional[float]
+    speedup_ci: Optional[list[float]]  # [low, high]
+    cpu_speedup: Optional[float]
+    tokens_per_s: Optional[float]
+    baseline_tokens_per_s: Optional[float]
+    ttft_p50_ms: Optional[float]
+    itl_p50_ms: Optional[float]
+    itl_p99_ms: Optional[float]
+    lossless: Optional[bool]
+    per_request_accept_lengths: list[float]
+    rows: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class GateRecord(StageRecord):
+    """The gate stage's output: the verdict on a version and the numbers it rests on."""
+
+    STAGE = "gate"
+    version: str
+    passed: bool
+    verdict: str  # passed | failed | inconclusive
+    reasons: list[str]  # the details of the checks that did not pass
+    checks: dict[str, bool]
+    intervals: dict[str, list[float]]  # check -> [low, high], timed checks only
+    rounds: int
+    machine_load: Optional[dict[str, Any]]
+    run_id: Optional[str]
+    champion_version: Optional[str]
+    bench: GateBench
 
 
 def _rows(report: dict, label: str) -> list[dict]:

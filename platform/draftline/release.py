@@ -12,9 +12,11 @@ With nothing serving, step 2 is skipped: the alias moves once the files verify, 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from draftline.config import DraftlineConfig
+from draftline.records import StageRecord
 from draftline.registry import (
     CHAMPION,
     PREVIOUS,
@@ -30,6 +32,15 @@ from draftline.serving.control import ServingError, roll_to, serving_now
 from draftline.serving.served_model import resolve_served_model, served_version
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromoteRecord(StageRecord):
+    """The promote stage's output: whether the gated version became the champion."""
+
+    STAGE = "promote"
+    promoted: bool
+    version: str
 
 
 class ReleaseError(RuntimeError):

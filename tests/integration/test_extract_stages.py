@@ -249,6 +249,7 @@ def test_online_target_actor_drives_the_stage_actors_and_streams_the_whole_model
     import ray
 
     from conftest import make_test_config
+    from draftline.extract.job import CaptureJob
     from draftline.extract.online import TRAIN, VAL, StreamCursor, TargetCapture
     from draftline.target.stages import PipelinedTarget
     from draftline.train.run import online_inputs
@@ -261,7 +262,7 @@ def test_online_target_actor_drives_the_stage_actors_and_streams_the_whole_model
         online = online_inputs(cfg, tiny_dataset_dir, tiny_target_dir).online
         refs = {split: ray.put(tokens) for split, tokens in online["split_tokens"].items()}
         cursor = ray.remote(num_cpus=0)(StreamCursor).remote()
-        capture = TargetCapture(cfg.model_dump(mode="json"), online["plan"], refs, cursor, rank=0)
+        capture = TargetCapture(CaptureJob(cfg, online["plan"], refs, cursor, rank=0))
         assert isinstance(capture.model, PipelinedTarget) == (name == "stages")
         try:
             outputs[name] = capture(dict(rows))

@@ -20,7 +20,7 @@ PACKAGE_ROOT = REPO / "platform" / "draftline"
 
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"utils", "faults", "wheels", "reaper"}),
+    ("leaves", {"utils", "faults", "wheels", "reaper", "records"}),
     ("config", {"config"}),
     ("services", {"tracking", "raycluster", "stagelog"}),  # MLflow, Ray and the console, which every stage uses
     ("target/data", {"target", "data"}),

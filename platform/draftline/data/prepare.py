@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftline.config import DraftlineConfig, write_resolved
@@ -19,6 +20,7 @@ from draftline.data.masks import TemplateError, build_masked_sample, end_of_turn
 from draftline.data.sources import check_regenerated_for_target, conversations_path
 from draftline.data.thinking import check_thinking_switch, thinking_kwargs, thinking_mode
 from draftline.data.vocab import build_draft_vocab, load_vocab_file, save_vocab
+from draftline.records import StageRecord
 from draftline.target.load import resolve_target_dir
 from draftline.utils import (
     atomic_write_json,
@@ -195,6 +197,19 @@ def load_split(dataset_dir: str | Path, split: str) -> list[dict]:
 
 def load_vocab(dataset_dir: str | Path):
     return load_vocab_file(Path(dataset_dir) / "vocab.safetensors")
+
+
+@dataclass(frozen=True)
+class PrepareRecord(StageRecord):
+    """The prepare stage's output: the dataset directory and its samples per split."""
+
+    STAGE = "prepare"
+    dataset_dir: str
+    report: dict[str, int]  # split -> samples (report.json's "samples")
+
+    @classmethod
+    def of(cls, dataset_dir: Path) -> "PrepareRecord":
+        return cls(dataset_dir=str(dataset_dir), report=read_json(dataset_dir / "report.json")["samples"])
 
 
 def summary_text(dataset_dir: Path) -> str:

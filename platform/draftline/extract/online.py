@@ -40,11 +40,10 @@ import numpy as np
 import torch
 
 from draftline import faults
-from draftline.config import DraftlineConfig
+from draftline.extract.job import CaptureJob
 from draftline.extract.run import aux_layer_ids_for, target_info
 from draftline.extract.shards import TORCH_DTYPES, num_shards, shard_sample_range, stored_bytes_per_token
 from draftline.extract.worker import hidden_states_for_samples, load_capture_model
-from draftline.faults import Fault
 from draftline.utils import actor_on_driver_node, read_json
 
 TRAIN, VAL = 0, 1
@@ -103,17 +102,17 @@ def _object_column(arrays: Sequence[np.ndarray]) -> np.ndarray:
 class TargetCapture:
     """Ray Data actor: holds the target and turns rows (split, step, sample_index) into the samples training reads."""
 
-    def __init__(self, config: dict, plan: dict, split_tokens_refs: dict, cursor, rank: int, fault: Fault | None = None):
+    def __init__(self, job: CaptureJob):
         import ray
 
-        cfg = DraftlineConfig.model_validate(config)
-        self.plan = plan
+        cfg, rank = job.cfg, job.rank
+        self.plan = job.plan
         self.device = torch.device("cuda" if cfg.extract.use_gpu and cfg.extract.pipeline is None else "cpu")
-        self.model = load_capture_model(cfg, plan, self.device, f"online target actor pid {os.getpid()}",
+        self.model = load_capture_model(cfg, job.plan, self.device, f"online target actor pid {os.getpid()}",
                                         slot=f"rank{rank}-{ray.get_runtime_context().get_actor_id() or os.getpid()}")
-        self.split_tokens = {split: ray.get(ref) for split, ref in split_tokens_refs.items()}
-        self.cursor, self.rank = cursor, rank
-        self.fault = fault
+        self.split_tokens = {split: ray.get(ref) for split, ref in job.split_tokens_refs.items()}
+        self.cursor, self.rank = job.cursor, rank
+        self.fault = job.fault
         self.batches_done = 0
 
     def __call__(self, batch: dict) -> dict:
@@ -173,8 +172,7 @@ def build_streams(cfg, plan: dict, split_tokens: dict, rows_per_rank: list[list[
             ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // extract_cfg.batch_size)))
             .map_batches(
                 TargetCapture,
-                fn_constructor_kwargs={"config": cfg.model_dump(mode="json"), "plan": plan, "split_tokens_refs": refs,
-                                       "cursor": cursor, "rank": rank, "fault": faults.planned("online.batches")},
+                fn_constructor_kwargs={"job": CaptureJob(cfg, plan, refs, cursor, rank, faults.planned("online.batches"))},
                 compute=ray.data.ActorPoolStrategy(size=extract_cfg.online.actors_per_train_worker),
                 batch_size=extract_cfg.batch_size,
                 batch_format="numpy",

@@ -14,10 +14,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, config_to_yaml
 from draftline.data.prepare import load_split, prepare, tokenizer_fingerprint
+from draftline.extract.job import ExtractionJob, SplitAssignment
 from draftline.extract.shards import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -35,6 +37,7 @@ from draftline.extract.shards import (
 from draftline.extract.storage import Storage
 from draftline.extract.worker import SplitTokens, extract_loop_per_worker
 from draftline.raycluster import ensure_ray
+from draftline.records import StageRecord, written_if_set
 from draftline.target.aux_layers import family_of
 from draftline.target.load import read_target_config, resolve_aux_layer_ids, resolve_target_dir, target_fingerprint
 from draftline.target.stages import remove_stage_groups
@@ -242,20 +245,17 @@ def _run_worker_group(cfg: DraftlineConfig, plan: dict, jobs: list[SplitJob], ru
     resources_per_worker = {"CPU": cfg.extract.cpus_per_worker}
     if worker_gpu:
         resources_per_worker["GPU"] = 1
-    splits = [
-        {"split": job.split, "location": job.storage.location, "split_tokens_ref": ray.put(job.split_tokens)}
-        for job in jobs
-    ]
     storage_full_sink = actor_on_driver_node(StorageFullSink)
+    extraction_job = ExtractionJob(
+        cfg=cfg,
+        plan=plan,
+        splits=[SplitAssignment(job.split, job.storage.location, ray.put(job.split_tokens)) for job in jobs],
+        fault=faults.planned("extract.shards"),
+        storage_full_sink=storage_full_sink,
+    )
     trainer = TorchTrainer(
         extract_loop_per_worker,
-        train_loop_config={
-            "config": cfg.model_dump(mode="json"),
-            "plan": plan,
-            "splits": splits,
-            "fault": faults.planned("extract.shards"),
-            "storage_full_sink": storage_full_sink,
-        },
+        train_loop_config=extraction_job.to_loop_config(),
         scaling_config=ScalingConfig(
             num_workers=cfg.extract.num_workers, use_gpu=worker_gpu, resources_per_worker=resources_per_worker
         ),
@@ -477,6 +477,42 @@ def summary_text(results: list[SplitResult]) -> str:
 class ExtractResult:
     location: Path | str  # <hidden_root>/<hash>: a Path for local storage, the URI string otherwise
     splits: dict[str, SplitResult]
+
+
+@dataclass(frozen=True)
+class ExtractedSplit:
+    """What the extract stage records of a split's manifest (None where a manifest lacks the key)."""
+
+    total_samples: Optional[int]
+    total_tokens: Optional[int]
+    bytes_per_token: Optional[float]
+    target_fingerprint: Optional[str]
+
+
+@dataclass(frozen=True)
+class ExtractRecord(StageRecord):
+    """The extract stage's output. Offline: where the shards are and a summary of each split. Online
+    (extract.mode=online): no shards (hidden_dir None); what the stream will carry."""
+
+    STAGE = "extract"
+    hidden_dir: Optional[str]
+    splits: Optional[dict[str, ExtractedSplit]] = written_if_set()
+    mode: Optional[str] = written_if_set()  # "online", or not written (offline)
+    streamed_bytes_per_token: Optional[int] = written_if_set()
+    aux_layer_ids: Optional[list[int]] = written_if_set()
+
+    @classmethod
+    def offline(cls, result: "ExtractResult") -> "ExtractRecord":
+        return cls(hidden_dir=str(result.location), splits={
+            name: ExtractedSplit(**{k: r.manifest.get(k) for k in
+                                    ("total_samples", "total_tokens", "bytes_per_token", "target_fingerprint")})
+            for name, r in result.splits.items()
+        })
+
+    @classmethod
+    def online(cls, streamed_bytes_per_token: int, aux_layer_ids: list[int]) -> "ExtractRecord":
+        return cls(hidden_dir=None, mode="online", streamed_bytes_per_token=streamed_bytes_per_token,
+                   aux_layer_ids=aux_layer_ids)
 
 
 def extract_with_stats(

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from draftline.config import DraftlineConfig
+from draftline.extract.job import ExtractionJob
 from draftline.extract.shards import (
     TORCH_DTYPES,
     EncodedShard,
@@ -236,42 +236,43 @@ def extract_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
 
+    job = ExtractionJob.from_loop_config(loop_config)
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    cfg = DraftlineConfig.model_validate(loop_config["config"])
-    plan = loop_config["plan"]
+    cfg = job.cfg
     device = ray.train.torch.get_device() if cfg.extract.use_gpu and cfg.extract.pipeline is None else torch.device("cpu")
-    model = load_capture_model(cfg, plan, device, f"worker {rank}", slot=f"rank{rank}")
+    model = load_capture_model(cfg, job.plan, device, f"worker {rank}", slot=f"rank{rank}")
     try:
-        _extract_splits_of_worker(model, loop_config, rank, world_size, plan, device)
+        _extract_splits_of_worker(model, job, rank, world_size, device)
     finally:
         if isinstance(model, PipelinedTarget):
             model.shutdown()
 
 
-def _extract_splits_of_worker(model, loop_config: dict, rank: int, world_size: int, plan: dict, device) -> None:
+def _extract_splits_of_worker(model, job: ExtractionJob, rank: int, world_size: int, device) -> None:
     import ray
 
-    for split in loop_config["splits"]:
-        split_tokens: SplitTokens = ray.get(split["split_tokens_ref"])
-        split_plan = {**plan, "shard_metadata": {**plan["shard_metadata"], "split": split["split"]}}
+    plan = job.plan
+    for split in job.splits:
+        split_tokens: SplitTokens = ray.get(split.split_tokens_ref)
+        split_plan = {**plan, "shard_metadata": {**plan["shard_metadata"], "split": split.split}}
         started = time.perf_counter()
         counts = run_worker_shards(
             model,
             split_tokens,
-            Storage(split["location"]),
+            Storage(split.location),
             rank,
             world_size,
             split_plan,
             device,
-            loop_config.get("fault"),
+            job.fault,
         )
         print(
-            f"[extract] worker {rank}/{world_size} {split['split']}: wrote {counts['written']} shards, skipped "
+            f"[extract] worker {rank}/{world_size} {split.split}: wrote {counts['written']} shards, skipped "
             f"{counts['skipped']} complete ones in {time.perf_counter() - started:.1f} s",
             flush=True,
         )
         if "storage_full" in counts:
             # Returning (not raising) ends this worker without a Ray Train retry; the driver raises the message.
-            ray.get(loop_config["storage_full_sink"].add.remote(counts["storage_full"]))
+            ray.get(job.storage_full_sink.add.remote(counts["storage_full"]))
             return

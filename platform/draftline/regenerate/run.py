@@ -58,6 +58,7 @@ from draftline.data.thinking import check_thinking_switch, thinking_kwargs, thin
 from draftline.engines import make_engine
 from draftline.engines.base import SamplingParams
 from draftline.raycluster import ensure_ray
+from draftline.records import StageRecord
 from draftline.regenerate.openai_server import OpenAIServerEngine
 from draftline.target.load import resolve_target_dir, target_fingerprint
 from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
@@ -288,11 +289,27 @@ class RegenerateResult:
     bad_input: int
     seconds: float
 
-    def to_record(self) -> dict:
-        return {"dataset_dir": str(self.out_dir), "conversations": str(self.out_dir / "conversations.jsonl"),
-                "samples": self.conversations, "output_tokens": self.output_tokens, "shards_total": self.shards_total,
-                "shards_generated": self.shards_generated, "replica_deaths": self.replica_deaths,
-                "bad_input": self.bad_input}
+    def to_record(self) -> "RegenerateRecord":
+        return RegenerateRecord(
+            dataset_dir=str(self.out_dir), conversations=str(self.out_dir / "conversations.jsonl"),
+            samples=self.conversations, output_tokens=self.output_tokens, shards_total=self.shards_total,
+            shards_generated=self.shards_generated, replica_deaths=self.replica_deaths, bad_input=self.bad_input,
+        )
+
+
+@dataclass(frozen=True)
+class RegenerateRecord(StageRecord):
+    """The regenerate stage's output, as its stage record keeps it (RegenerateResult less the timing)."""
+
+    STAGE = "regenerate"
+    dataset_dir: str
+    conversations: str  # the regenerated conversations.jsonl
+    samples: int
+    output_tokens: int
+    shards_total: int
+    shards_generated: int
+    replica_deaths: int
+    bad_input: int
 
 
 def stable_sample(conversations: list[Conversation], limit: Optional[int]) -> list[Conversation]:

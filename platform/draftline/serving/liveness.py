@@ -10,16 +10,32 @@ from __future__ import annotations
 
 import shlex
 import socket
+from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
 
 from draftline.config import DraftlineConfig
 from draftline.raycluster import configured_ray_address, ensure_ray
+from draftline.records import StageRecord, written_if_set
 from draftline.registry import RegistryError
 from draftline.serving.app import APP_NAME
 from draftline.serving.control import ServingError, api_headers, base_url, state_path
 from draftline.serving.served_model import resolve_served_model
 from draftline.utils import read_json
+
+
+@dataclass(frozen=True)
+class ServeRecord(StageRecord):
+    """The serve stage's output: the endpoint, what it answered, and the Ray cluster it runs on."""
+
+    STAGE = "serve"
+    url: str
+    version: str  # the served version ("target-only" without a champion)
+    completion: str  # the smoke test's reply
+    # Not in records written before the serve stage recorded its cluster: such a record never counts as serving.
+    ray_address: Optional[str] = written_if_set()
+    ray_session: Optional[str] = written_if_set()
+    local_cluster: Optional[bool] = written_if_set()  # a local Ray this run started, which stops with the run
 
 
 def current_cluster(cfg: DraftlineConfig) -> Optional[dict]:
@@ -49,7 +65,7 @@ def served_model(cfg: DraftlineConfig, url: str) -> dict:
     return response.json()["data"][0]["draftline"]
 
 
-def serving_now(cfg: DraftlineConfig, recorded: dict) -> dict:
+def serving_now(cfg: DraftlineConfig, recorded: ServeRecord) -> dict:
     """{"serving": True, url, registered_model, model_version, ray_address, ray_session} when the serve stage's
     record still holds for this run, else {"serving": False, "reason": why not}."""
     from ray import serve
@@ -57,17 +73,17 @@ def serving_now(cfg: DraftlineConfig, recorded: dict) -> dict:
     def no(reason: str) -> dict:
         return {"serving": False, "reason": reason}
 
-    served_on = (f"Ray cluster {recorded['ray_address']} ({recorded['ray_session']})" if recorded.get("ray_session")
+    served_on = (f"Ray cluster {recorded.ray_address} ({recorded.ray_session})" if recorded.ray_session
                  else "a Ray cluster it did not record")
     cluster = current_cluster(cfg)
     if cluster is None:
         return no(f"it served on {served_on}; this run starts its own local Ray")
-    if cluster["ray_session"] != recorded.get("ray_session"):
+    if cluster["ray_session"] != recorded.ray_session:
         return no(f"it served on {served_on}; this run talks to {cluster['ray_address']} ({cluster['ray_session']})")
     app = serve.status().applications.get(APP_NAME)
     if app is None or app.status != "RUNNING":
         return no(f"Serve app {APP_NAME} is {app.status if app else 'not deployed'} on {cluster['ray_address']}")
-    url = recorded["url"]
+    url = recorded.url
     try:
         answered = served_model(cfg, url)
         champion = resolve_served_model(cfg)
@@ -80,13 +96,13 @@ def serving_now(cfg: DraftlineConfig, recorded: dict) -> dict:
             "model_version": answered["model_version"], **cluster}
 
 
-def serving_at_exit(cfg: DraftlineConfig, recorded: dict, keep_serving: bool, start_command: str) -> dict:
+def serving_at_exit(cfg: DraftlineConfig, recorded: ServeRecord, keep_serving: bool, start_command: str) -> dict:
     """What will be true once this run ends: serving_now, except that a local Ray this process started ends with it."""
-    if recorded.get("local_cluster") and not keep_serving:
+    if recorded.local_cluster and not keep_serving:
         state = {"serving": False, "reason": "the local Ray cluster this run started stops when the run ends, "
                                              "and the endpoint with it"}
     else:
-        state = {**serving_now(cfg, recorded), "local_cluster": bool(recorded.get("local_cluster"))}
+        state = {**serving_now(cfg, recorded), "local_cluster": bool(recorded.local_cluster)}
     if not state["serving"]:
         state["start_command"] = start_command
     return state

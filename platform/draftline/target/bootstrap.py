@@ -18,11 +18,14 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem
+from draftline.records import StageRecord
 from draftline.target.chat_layouts import ChatLayout, chat_layout
 from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
 from draftline.target.families import build_model_config, served_head_dims
@@ -244,3 +247,27 @@ def _build_target(cfg: DraftlineConfig, pairs: list, out_dir: Path) -> Path:
 
 def bootstrap_summary(target_dir: Path) -> dict:
     return read_json(Path(target_dir) / DONE_MARKER)
+
+
+@dataclass(frozen=True)
+class BootstrapRecord(StageRecord):
+    """The bootstrap stage's output: the target directory and its build summary (bootstrap.json), written as one
+    flat dict."""
+
+    STAGE = "bootstrap"
+    target_dir: str
+    summary: dict[str, Any]  # embedded and gguf targets summarise different things
+
+    @classmethod
+    def of(cls, target_dir: Path) -> "BootstrapRecord":
+        return cls(target_dir=str(target_dir), summary=bootstrap_summary(target_dir))
+
+    def to_dict(self) -> dict:
+        return {"target_dir": self.target_dir, **self.summary}
+
+    @classmethod
+    def from_dict(cls, data: Any, source) -> "BootstrapRecord":
+        if not isinstance(data, dict):
+            return super().from_dict(data, source)  # which names what is wrong
+        summary = {k: v for k, v in data.items() if k != "target_dir"}
+        return super().from_dict({**{k: v for k, v in data.items() if k == "target_dir"}, "summary": summary}, source)

@@ -34,7 +34,7 @@ def run_train(cfg: DraftlineConfig, hidden_dir: str | None, dataset_dir: str | N
     except (ShardError, FileNotFoundError, RuntimeError) as err:
         print_error(err)
         return 1
-    print(json.dumps(result.to_record(), indent=2), flush=True)
+    print(json.dumps(result.to_dict(), indent=2), flush=True)
     return 0
 
 

@@ -1,5 +1,5 @@
 """What the training driver (train/run.py) hands every worker (train/loop.py): one typed record, written into Ray
-Train's `train_loop_config` by `to_loop_config` and read back by `from_loop_config`."""
+Train's `train_loop_config` by `to_loop_config` and read back by `from_loop_config` (draftline.records)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 from draftline.config import DraftlineConfig
 from draftline.drafter.model import DrafterConfig
 from draftline.faults import Fault
-
-LOOP_CONFIG_KEY = "training_job"
+from draftline.records import WorkerJob
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,8 @@ class OnlineStream:
 
 
 @dataclass(frozen=True)
-class TrainingJob:
+class TrainingJob(WorkerJob):
+    KEY = "training_job"
     cfg: DraftlineConfig
     target_dir: str
     d2t: torch.Tensor  # draft vocab -> target vocab offsets
@@ -43,14 +43,3 @@ class TrainingJob:
     def with_run(self, checkpoint_location: str, storage_full_sink: Any, online: Optional[OnlineStream]) -> "TrainingJob":
         """What only exists once the worker group is about to start."""
         return replace(self, checkpoint_location=checkpoint_location, storage_full_sink=storage_full_sink, online=online)
-
-    def to_loop_config(self) -> dict:
-        return {LOOP_CONFIG_KEY: self}
-
-    @staticmethod
-    def from_loop_config(loop_config: dict) -> "TrainingJob":
-        job = loop_config.get(LOOP_CONFIG_KEY)
-        if not isinstance(job, TrainingJob):
-            raise TypeError(f"train_loop_config holds {sorted(loop_config)}, not a TrainingJob under "
-                            f"{LOOP_CONFIG_KEY!r}: start workers with TrainingJob.to_loop_config()")
-        return job

@@ -13,7 +13,7 @@ import contextlib
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from draftline.extract.run import aux_layer_ids_for, capture_plan, check_dataset
 from draftline.extract.shards import HiddenStateShards, ShardError
 from draftline.extract.worker import SplitTokens
 from draftline.raycluster import ensure_ray
+from draftline.records import StageRecord
 from draftline.target.load import target_fingerprint
 from draftline.target.stages import remove_stage_groups
 from draftline.tracking import DRAFTER_ARTIFACT_PATH, mlflow_client, register_export, setup_mlflow
@@ -62,7 +63,10 @@ def _log(msg: str) -> None:
 
 
 @dataclass
-class TrainResult:
+class TrainResult(StageRecord):
+    """The train stage's output, also kept beside the checkpoints as train_result.json."""
+
+    STAGE = "train"
     run_id: str
     model_version: str
     export_dir: Path
@@ -73,14 +77,6 @@ class TrainResult:
     cached: bool = False
     tags: dict[str, str] = field(default_factory=dict)
 
-    def to_record(self) -> dict:
-        record = asdict(self)
-        record["export_dir"] = str(self.export_dir)
-        return record
-
-    @classmethod
-    def from_record(cls, record: dict) -> "TrainResult":
-        return cls(**{**record, "export_dir": Path(record["export_dir"])})
 
 
 def git_commit() -> str:
@@ -296,7 +292,7 @@ def _cached_result(cfg: DraftlineConfig, out_dir: Path) -> TrainResult | None:
 
     if not (out_dir / RESULT_FILE).is_file():
         return None
-    result = TrainResult.from_record(read_json(out_dir / RESULT_FILE))
+    result = TrainResult.from_dict(read_json(out_dir / RESULT_FILE), out_dir / RESULT_FILE)
     try:
         version = mlflow_client(cfg).get_model_version(cfg.registered_model_name, result.model_version)
     except MlflowException:
@@ -543,7 +539,7 @@ def train(
         wall_s=round(wall_s, 2),
         tags={k: str(v) for k, v in tags.items()},
     )
-    atomic_write_json(out_dir / RESULT_FILE, result.to_record())
+    atomic_write_json(out_dir / RESULT_FILE, result.to_dict())
     _log(
         f"best step {best_step}: val acc_0 {val_metrics['val_acc_0']:.3f}, est_accept_len "
         f"{val_metrics[SCORE_METRIC]:.3f}; exported to {export_dir}; registered "

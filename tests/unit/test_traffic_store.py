@@ -153,8 +153,8 @@ def test_drift_waits_for_the_gate_value_and_never_fires_for_a_version_the_gate_d
     assert not monitor.knows_gate("8")
     monitor.set_gate("8", None)  # the lookup is under way
     assert monitor.knows_gate("8") and [monitor.observe("8", 1.0) for _ in range(5)] == [None] * 5
-    monitor.set_gate("8", 2.0)  # the answer arrives: the window filled meanwhile counts
-    assert monitor.observe("8", 1.0) is not None
+    monitor.set_gate("8", 2.0)  # the answer arrives: the window filled meanwhile is judged at once
+    assert monitor.judge("8") is not None and monitor.observe("8", 1.0) is None
 
 
 def test_durations():

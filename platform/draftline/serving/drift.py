@@ -49,8 +49,13 @@ class DriftMonitor:
         return sum(window) / len(window) if window else None
 
     def observe(self, model_version: str, accept_length: float) -> Optional[Drift]:
-        window = self._windows.setdefault(model_version, deque(maxlen=self.window_requests))
-        window.append(accept_length)
+        self._windows.setdefault(model_version, deque(maxlen=self.window_requests)).append(accept_length)
+        return self.judge(model_version)
+
+    def judge(self, model_version: str) -> Optional[Drift]:
+        """A Drift the first time the version's full window is below the gate's value by the margin, else None
+        (also called when the gate's value arrives, so a window filled meanwhile is judged without new requests)."""
+        window = self._windows.get(model_version, ())
         gate = self._gate.get(model_version)
         if gate is None or model_version in self._drifted or len(window) < self.window_requests:
             return None

@@ -547,11 +547,14 @@ class Ingress:
         drift = self._drift.observe(version, accept_length)
         self._live.record_window(version, self._drift.window_mean(version))
         if drift is not None:
-            self._live.record_drift(version)
-            logger.warning("drift: version %s serves an accept length of %.3f over its last %d requests, below the "
-                           "gate's %.3f by more than serve.drift.margin=%g; tagging it drift=yes", version,
-                           drift.live_accept_length, drift.window_requests, drift.gate_accept_length, drift.margin)
-            self._in_background(self._tag_drift(drift))
+            self._drifted(drift)
+
+    def _drifted(self, drift: Drift) -> None:
+        self._live.record_drift(drift.model_version)
+        logger.warning("drift: version %s serves an accept length of %.3f over its last %d requests, below the gate's "
+                       "%.3f by more than serve.drift.margin=%g; tagging it drift=yes", drift.model_version,
+                       drift.live_accept_length, drift.window_requests, drift.gate_accept_length, drift.margin)
+        self._in_background(self._tag_drift(drift))
 
     def _in_background(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -565,6 +568,10 @@ class Ingress:
             logger.exception("drift check: could not read the gate's accept length of version %s", version)
             return
         self._drift.set_gate(version, accept)
+        logger.info("drift check: version %s has a gate accept length of %s", version, accept)
+        drift = self._drift.judge(version)
+        if drift is not None:
+            self._drifted(drift)
 
     async def _tag_drift(self, drift: Drift) -> None:
         try:

@@ -25,6 +25,7 @@ COMMAND_MODULES = {
     "promote": "draftline.commands.release",
     "rollback": "draftline.commands.release",
     "serve": "draftline.serving.cli",
+    "traffic": "draftline.commands.traffic",
     "run": "draftline.commands.run",
     "sglang-command": "draftline.engines.sglang.cli",
     "check-sglang-args": "draftline.engines.sglang.cli",

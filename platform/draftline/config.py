@@ -467,6 +467,36 @@ class GateConfig(Strict):
         return self.min_speedup[max([level for level in levels if level <= concurrency], default=levels[0])]
 
 
+class TrafficConfig(Strict):
+    """Capture of served requests to owner-only shards under <data_dir>/traffic (docs/traffic.md)."""
+
+    enabled: bool = Field(False, description="record finished requests (off by default: they hold user prompts)")
+    dir: Optional[str] = Field(None, description="local directory of the store; default <data_dir>/traffic")
+    sample_rate: float = Field(1.0, ge=0, le=1, description="fraction of finished requests recorded")
+    max_age_days: float = Field(30, gt=0, description="shards older than this are deleted (retention by age)")
+    max_total_bytes: int = Field(1 << 30, ge=1, description="oldest shards are deleted beyond this (retention by size)")
+    shard_bytes: int = Field(16 << 20, ge=1024, description="a shard is closed and a new one started past this size")
+    redact: Optional[str] = Field(
+        None, description="`module:function` called on each record (a dict) before it is written; returns the "
+        "record to write, or None to drop it"
+    )
+    segment_header: str = Field("x-draftline-segment", description="request header holding the client's segment tag")
+    queue_limit: int = Field(
+        10000, ge=1, description="records sent to the capture actor and not yet acknowledged; beyond it new ones "
+        "are dropped and counted"
+    )
+
+
+class DriftConfig(Strict):
+    """Live accept length against the gate's measurement, per served version (docs/traffic.md)."""
+
+    enabled: bool = Field(True, description="compare live accept length with the gate's (versions the gate measured)")
+    window_requests: int = Field(200, ge=1, description="requests per served version in the live window")
+    margin: float = Field(
+        0.1, ge=0, lt=1, description="drift when the window's accept length < gate accept length x (1 - margin)"
+    )
+
+
 class ServeConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -502,6 +532,8 @@ class ServeConfig(Strict):
         100, ge=0, le=100, description="extra engine replicas Serve may start so old ones serve until new ones are up"
     )
     rollout_timeout_s: float = Field(600, gt=0, description="a rollout waits this long for every replica")
+    traffic: TrafficConfig = TrafficConfig()
+    drift: DriftConfig = DriftConfig()
 
 
 class RayConfig(Strict):

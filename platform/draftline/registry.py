@@ -22,7 +22,18 @@ from urllib.parse import unquote, urlparse
 
 from draftline.config import DraftlineConfig, SpeculativeConfig
 from draftline.drafter.export import META_FILE, WEIGHTS_FILE
-from draftline.tracking import BENCH_BEST_TAG, GATE_FAILED, GATE_PASSED, GATE_REASONS_TAG, GATE_TAG, mlflow_client
+from draftline.tracking import (
+    BENCH_BEST_TAG,
+    DRIFT_DETAIL_TAG,
+    DRIFT_TAG,
+    DRIFT_YES,
+    GATE_FAILED,
+    GATE_PASSED,
+    GATE_REASONS_TAG,
+    GATE_RUN_TAG,
+    GATE_TAG,
+    mlflow_client,
+)
 from draftline.utils import sha256_file, stable_hash
 
 CHAMPION = "champion"
@@ -161,6 +172,27 @@ def measured_speculative(resolved: ResolvedVersion, concurrency: int, base: Spec
     entry = best[level]
     return SpeculativeConfig(algorithm=base.algorithm, num_steps=entry["num_steps"], eagle_topk=entry["eagle_topk"],
                              num_draft_tokens=entry["num_draft_tokens"])
+
+
+def gate_accept_length(cfg: DraftlineConfig, version: str, concurrency: int) -> Optional[float]:
+    """The accept length `draftline gate` measured for a version (the `accept_length` metric of the run its
+    gate_run_id tag names, one step per benched concurrency): the entry for the highest concurrency not above
+    `concurrency`, else the lowest. None when the version was never gated or the gate measured none."""
+    client = mlflow_client(cfg)
+    run_id = client.get_model_version(cfg.registered_model_name, version).tags.get(GATE_RUN_TAG)
+    if not run_id:
+        return None
+    by_level = {int(m.step): float(m.value) for m in client.get_metric_history(run_id, "accept_length")}
+    if not by_level:
+        return None
+    return by_level[max([lv for lv in by_level if lv <= concurrency], default=min(by_level))]
+
+
+def mark_drift(cfg: DraftlineConfig, version: str, detail: dict) -> None:
+    """Tag a version `drift=yes` with what was measured (`drift_detail`, JSON)."""
+    client = mlflow_client(cfg)
+    client.set_model_version_tag(cfg.registered_model_name, version, DRIFT_TAG, DRIFT_YES)
+    client.set_model_version_tag(cfg.registered_model_name, version, DRIFT_DETAIL_TAG, json.dumps(detail, sort_keys=True))
 
 
 def latest_version(cfg: DraftlineConfig) -> str:

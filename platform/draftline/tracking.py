@@ -23,6 +23,9 @@ GATE_RUN_TAG = "gate_run_id"
 GATE_PASSED = "passed"
 GATE_FAILED = "failed"
 BENCH_BEST_TAG = "bench_best_config"  # JSON written by `draftline bench --sweep`
+DRIFT_TAG = "drift"  # "yes" once serving's live accept length fell below the gate's (serving/drift.py)
+DRIFT_DETAIL_TAG = "drift_detail"  # JSON: live and gate accept length, window, margin, when
+DRIFT_YES = "yes"
 DRAFTER_ARTIFACT_PATH = "drafter"  # a version's source: <run artifacts>/drafter, the export directory
 
 

@@ -12,6 +12,7 @@ from draftline.config import ConfigError, DraftlineConfig
 from draftline.serving.engine_server import EngineServer
 from draftline.serving.openai_api import Ingress, token_hash
 from draftline.serving.served_model import ServedModel, resolve_served_model
+from draftline.serving.traffic_capture import TrafficCapture
 
 APP_NAME = "draftline"
 # serve.rollout=blue_green: the engine replicas run as their own Serve app, one of these two; the ingress (in APP_NAME)
@@ -93,6 +94,8 @@ def build_app(
         engine, options["user_config"] = None, {"engine_app": engine_app}
     else:
         engine = EngineServer.options(**engine_options(cfg, served or resolve_served_model(cfg))).bind(config)
+    # serve.traffic.enabled: the capture actor, one replica of its own deployment beside the ingress.
+    traffic = TrafficCapture.bind(config) if cfg.serve.traffic.enabled else None
     return Ingress.options(
         num_replicas=cfg.serve.ingress_replicas,
         max_ongoing_requests=engine_capacity + 16,
@@ -100,7 +103,7 @@ def build_app(
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.serve.retry_after_s),
         ray_actor_options={"num_cpus": cfg.serve.ingress_cpus_per_replica},
         **options,
-    ).bind(engine, config, auth_token_sha256)
+    ).bind(engine, config, auth_token_sha256, traffic)
 
 
 def app_builder(args: dict):

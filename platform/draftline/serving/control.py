@@ -33,6 +33,7 @@ from draftline.serving.app import APP_NAME, ENGINE_APPS, auth_token_sha256_from_
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.openai_api import INGRESS_DEPLOYMENT
 from draftline.serving.served_model import ServedModel, resolve_served_model
+from draftline.serving.traffic_capture import CAPTURE_DEPLOYMENT
 from draftline.utils import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,11 @@ def engine_replicas(app_name: Optional[str] = None) -> list[dict[str, Any]]:
 def ingress_replicas() -> list[dict[str, Any]]:
     """The HTTP ingress replicas Serve knows of, as engine_replicas gives them."""
     return _replicas(APP_NAME, INGRESS_DEPLOYMENT)
+
+
+def capture_replicas() -> list[dict[str, Any]]:
+    """The traffic capture replica (serve.traffic.enabled), as engine_replicas gives them."""
+    return _replicas(APP_NAME, CAPTURE_DEPLOYMENT)
 
 
 def _replicas(app_name: str, deployment_name: str) -> list[dict[str, Any]]:

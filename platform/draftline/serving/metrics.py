@@ -7,6 +7,7 @@ Created once per replica process: the ingress records request-level series, the 
 
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 from draftline.engines.base import SpecStats
@@ -103,3 +104,72 @@ class EngineMetrics:
             self.serving.set(0, tags={"model_version": old_version, "backend": backend})
         self.serving.set(1, tags={"model_version": new_version, "backend": backend})
         self.swaps.inc(1, tags={"model_version": new_version})
+
+
+class LiveAcceptMetrics:
+    """Live acceptance per served version and client segment, and the drift verdict per version (docs/traffic.md).
+
+    The live accept length over any interval is rate(draftline_live_output_tokens) / rate(draftline_live_verify_steps)
+    for a version and segment; draftline_drift_window_accept_length is the drift check's window mean."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        tags = ("model_version", "segment")
+        self.accept_length = Histogram(
+            "draftline_live_accept_length",
+            description="speculative accept length per finished request, by served version and client segment",
+            boundaries=ACCEPT_LENGTH_BOUNDARIES,
+            tag_keys=tags,
+        )
+        self.verify_steps = Counter("draftline_live_verify_steps", description="target verify steps", tag_keys=tags)
+        self.output_tokens = Counter(
+            "draftline_live_output_tokens", description="tokens emitted over those verify steps", tag_keys=tags
+        )
+        self.window_accept_length = Gauge(
+            "draftline_drift_window_accept_length",
+            description="mean accept length over the drift check's last serve.drift.window_requests requests",
+            tag_keys=("model_version",),
+        )
+        self.drift = Gauge(
+            "draftline_drift",
+            description="1 once the version's live accept length fell below the gate's by serve.drift.margin",
+            tag_keys=("model_version",),
+        )
+
+    def record(self, model_version: str, segment: str, stats: SpecStats) -> None:
+        tags = {"model_version": model_version, "segment": segment}
+        self.accept_length.observe(stats.accept_length, tags=tags)
+        self.verify_steps.inc(stats.verify_steps, tags=tags)
+        self.output_tokens.inc(stats.output_tokens, tags=tags)
+
+    def record_window(self, model_version: str, mean_accept_length: float) -> None:
+        self.window_accept_length.set(mean_accept_length, tags={"model_version": model_version})
+
+    def record_drift(self, model_version: str) -> None:
+        self.drift.set(1, tags={"model_version": model_version})
+
+
+class TrafficMetrics:
+    """Traffic capture: records written to the store and records dropped (by reason), never a failed request."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter
+
+        self.dropped_by_reason: collections.Counter[str] = collections.Counter()  # this process's totals, for logs
+        self.written = Counter("draftline_traffic_written", description="records appended to the traffic store")
+        self.dropped = Counter(
+            "draftline_traffic_dropped",
+            description="records not stored: write_error (e.g. a full disk), actor_unavailable (the capture actor "
+            "died or did not answer), backlog (serve.traffic.queue_limit), redact_error",
+            tag_keys=("reason",),
+        )
+
+    def record_written(self, count: int) -> None:
+        if count:
+            self.written.inc(count)
+
+    def record_dropped(self, reason: str, count: int) -> None:
+        if count:
+            self.dropped.inc(count, tags={"reason": reason})
+            self.dropped_by_reason[reason] += count

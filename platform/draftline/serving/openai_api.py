@@ -11,8 +11,9 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -22,9 +23,11 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from draftline.config import DraftlineConfig
-from draftline.engines.base import SamplingParams, SpecStats
+from draftline.engines.base import TARGET_ONLY, SamplingParams, SpecStats
+from draftline.registry import gate_accept_length, mark_drift
+from draftline.serving.drift import Drift, DriftMonitor
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
-from draftline.serving.metrics import IngressMetrics
+from draftline.serving.metrics import IngressMetrics, LiveAcceptMetrics
 from draftline.serving.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -45,6 +48,7 @@ from draftline.serving.openai_schema import (
     Usage,
     new_request_id,
 )
+from draftline.serving.traffic_capture import TrafficRecorder
 from draftline.target.load import resolve_target_dir
 
 logger = logging.getLogger("ray.serve")
@@ -125,12 +129,17 @@ class _Prepared:
     stop_strings: list[str]
     stream: bool
     include_usage: bool
+    prompt: Any = None  # chat: the messages as sent; completions: the prompt (text or token ids)
+    segment: str = ""
 
 
 @dataclass
 class _Progress:
     completion_tokens: int = 0
     stats: Optional[SpecStats] = None
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # what the client got (cut at a stop string)
+    finish_reason: Optional[str] = None  # set once generation ended normally
 
     def usage(self, prompt_tokens: int) -> Usage:
         return Usage.from_stats(prompt_tokens, self.completion_tokens, self.stats)
@@ -201,7 +210,18 @@ class RequestValidator:
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prefix = "chatcmpl" if route == "chat" else "cmpl"
-        return _Prepared(route, new_request_id(prefix), prompt_ids, params, stop_strings, req.stream, include_usage)
+        prompt = [m.model_dump(exclude_none=True) for m in req.messages] if route == "chat" else req.prompt
+        return _Prepared(route, new_request_id(prefix), prompt_ids, params, stop_strings, req.stream, include_usage,
+                         prompt)
+
+    def segment(self, request: Request) -> str:
+        """The client's segment tag (header serve.traffic.segment_header), or "" when not sent."""
+        name = self._cfg.serve.traffic.segment_header
+        value = request.headers.get(name, "").strip()
+        if value and not SEGMENT_PATTERN.fullmatch(value):
+            raise ApiError(400, f"header {name}: {value[:80]!r} is not a segment tag (1-64 characters of letters, "
+                                "digits, '_', '-', '.', ':')", param=name)
+        return value
 
     def too_large(self, size_bytes: int) -> ApiError:
         limit = self._cfg.serve.max_request_bytes
@@ -258,6 +278,13 @@ class RequestValidator:
         return requested
 
 
+SEGMENT_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+# Distinct segments each ingress replica tags its metrics with; later ones are counted as "other" (Prometheus
+# series are not free).
+MAX_METRIC_SEGMENTS = 64
+NO_SEGMENT = "none"
+
+
 # How many times a request whose engine replica died before the client got anything is sent again.
 REPLICA_FAILURE_RETRIES = 2
 
@@ -278,16 +305,44 @@ fastapi_app = FastAPI(title="draftline", description="OpenAI-compatible speculat
                       docs_url=None, redoc_url=None, openapi_url=None)
 
 
+def traffic_record(prepared: _Prepared, served: dict, progress: _Progress) -> dict:
+    """What the traffic store keeps of one finished request (docs/traffic.md)."""
+    stats = progress.stats
+    return {
+        "id": prepared.request_id,
+        "time_s": round(time.time(), 3),
+        "route": prepared.route,
+        "segment": prepared.segment or None,
+        "registered_model": served["registered_model"],
+        "model_version": served["model_version"],
+        "backend": served.get("backend"),
+        "messages" if prepared.route == "chat" else "prompt": prepared.prompt,
+        "prompt_token_ids": prepared.prompt_ids,
+        "completion_token_ids": progress.token_ids,
+        "completion_text": "".join(progress.text),
+        "finish_reason": progress.finish_reason,
+        "sampling": {"max_new_tokens": prepared.params.max_new_tokens, "temperature": prepared.params.temperature,
+                     "top_p": prepared.params.top_p, "seed": prepared.params.seed, "stop": prepared.stop_strings},
+        "spec": None if stats is None else {**asdict(stats), "accept_length": round(stats.accept_length, 4)},
+    }
+
+
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress(fastapi_app)
 class Ingress:
     """HTTP front: validation, auth, tokenization, streaming, metrics. Generation happens in the engine replicas."""
 
-    def __init__(self, engine: Any, config: dict, auth_token_sha256: Optional[str] = None) -> None:
+    def __init__(self, engine: Any, config: dict, auth_token_sha256: Optional[str] = None, traffic: Any = None) -> None:
         self._engine = engine  # None with serve.rollout=blue_green: reconfigure names the engine set's app
         self._cfg = DraftlineConfig.model_validate(config)
         self._requests = RequestValidator(self._cfg, auth_token_sha256)
         self._metrics = IngressMetrics()
+        self._live = LiveAcceptMetrics()
+        self._metric_segments: set[str] = set()
+        self._drift = DriftMonitor(self._cfg.serve.drift.window_requests, self._cfg.serve.drift.margin)
+        # The capture deployment's handle (serve.traffic.enabled), else None.
+        self._traffic = TrafficRecorder(traffic, self._cfg.serve.traffic) if traffic is not None else None
+        self._background: set[asyncio.Task] = set()  # strong references to fire-and-forget tasks
 
     def reconfigure(self, user_config: dict) -> None:
         """serve.rollout=blue_green: {"engine_app": <Serve app of the engine set to send new requests to>}.
@@ -336,8 +391,10 @@ class Ingress:
             declared = request.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self._cfg.serve.max_request_bytes:
                 raise self._requests.too_large(int(declared))  # before reading the body
+            segment = self._requests.segment(request)
             # Off the event loop: tokenizing a long chat template must not stall /healthz and other requests.
             prepared = await asyncio.to_thread(self._requests.prepare, route, await request.body())
+            prepared.segment = segment
         except ApiError as err:
             self._metrics.record_status(route, err.status)
             return err.response()
@@ -431,17 +488,24 @@ class Ingress:
                 if chunk["token_ids"] and first_token_s is None:
                     first_token_s = time.perf_counter() - started_s
                 progress.completion_tokens += len(chunk["token_ids"])
+                progress.token_ids.extend(chunk["token_ids"])
                 if chunk["stats"] is not None:
                     progress.stats = SpecStats(**chunk["stats"])
                 text = stop.feed(chunk["text"])
                 if stop.stopped:
                     stream.cancel()
+                    progress.text.append(text)
+                    progress.finish_reason = "stop"
                     yield text, "stop"
                     return
                 if chunk["finished"]:
-                    yield text + stop.flush(), chunk["finish_reason"] or "stop"
+                    text += stop.flush()
+                    progress.text.append(text)
+                    progress.finish_reason = chunk["finish_reason"] or "stop"
+                    yield text, progress.finish_reason
                     return
                 if text:
+                    progress.text.append(text)
                     yield text, None
         finally:
             total_s = time.perf_counter() - started_s
@@ -454,6 +518,66 @@ class Ingress:
                 stats=progress.stats,
                 completion_tokens=progress.completion_tokens,
             )
+            if progress.finish_reason is not None:
+                self._finished(prepared, first["served"], progress)
+
+    # -- after a request finished: live acceptance, drift, capture (nothing here is awaited by the request) ----------
+
+    def _finished(self, prepared: _Prepared, served: dict, progress: _Progress) -> None:
+        version = served["model_version"]
+        if progress.stats is not None and progress.stats.verify_steps:
+            self._live.record(version, self._metric_segment(prepared.segment), progress.stats)
+            if self._cfg.serve.drift.enabled and version != TARGET_ONLY:
+                self._check_drift(version, progress.stats.accept_length)
+        if self._traffic is not None and self._traffic.sampled():
+            self._traffic.record(traffic_record(prepared, served, progress))
+
+    def _metric_segment(self, segment: str) -> str:
+        if not segment:
+            return NO_SEGMENT
+        if segment not in self._metric_segments and len(self._metric_segments) >= MAX_METRIC_SEGMENTS:
+            return "other"
+        self._metric_segments.add(segment)
+        return segment
+
+    def _check_drift(self, version: str, accept_length: float) -> None:
+        if not self._drift.knows_gate(version):
+            self._drift.set_gate(version, None)  # asked once; the answer arrives in the background
+            self._in_background(self._fetch_gate_accept_length(version))
+        drift = self._drift.observe(version, accept_length)
+        self._live.record_window(version, self._drift.window_mean(version))
+        if drift is not None:
+            self._drifted(drift)
+
+    def _drifted(self, drift: Drift) -> None:
+        self._live.record_drift(drift.model_version)
+        logger.warning("drift: version %s serves an accept length of %.3f over its last %d requests, below the gate's "
+                       "%.3f by more than serve.drift.margin=%g; tagging it drift=yes", drift.model_version,
+                       drift.live_accept_length, drift.window_requests, drift.gate_accept_length, drift.margin)
+        self._in_background(self._tag_drift(drift))
+
+    def _in_background(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _fetch_gate_accept_length(self, version: str) -> None:
+        try:
+            accept = await asyncio.to_thread(gate_accept_length, self._cfg, version, self._cfg.serve.max_ongoing_requests)
+        except Exception:  # noqa: BLE001 - the registry unreachable: no drift check for this version, serving goes on
+            logger.exception("drift check: could not read the gate's accept length of version %s", version)
+            return
+        self._drift.set_gate(version, accept)
+        logger.info("drift check: version %s has a gate accept length of %s", version, accept)
+        drift = self._drift.judge(version)
+        if drift is not None:
+            self._drifted(drift)
+
+    async def _tag_drift(self, drift: Drift) -> None:
+        try:
+            await asyncio.to_thread(mark_drift, self._cfg, drift.model_version, drift.detail())
+        except Exception:  # noqa: BLE001 - the metric and the log line stand; the tag is best effort
+            logger.exception("drift check: could not tag version %s drift=yes", drift.model_version)
 
     def _common(self, prepared: _Prepared, served: dict) -> dict:
         version = ServedVersion(**served)

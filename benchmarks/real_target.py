@@ -6,7 +6,8 @@
 FILE: the target's own conversations (regenerate's conversations.jsonl, or the shards it finished). Every point
 trains on the first N reply tokens of the conversations in training order (by id hash, so a smaller point's data is
 a prefix of a larger one's) and validates on one fixed val set (the conversations whose id hash puts them in the val
-split, in every point). Each point runs the pipeline's own stages in this process: prepare (MT-bench held out),
+split, in every point; --val-from takes them from other conversations, e.g. the shards finished when the first point
+ran). Each point runs the pipeline's own stages in this process: prepare (MT-bench held out),
 extract, train (Ray Train + DeepSpeed; the exported checkpoint is the best by val est accept length), then measures
 on MT-bench (first --questions questions, both turns, turn 2 after the target's own answer) with --engines: vLLM's CPU
 build (accept length and per-position acceptance from vLLM's own counters) and/or the reference engine, at the
@@ -41,10 +42,14 @@ def reply_tokens(record: dict) -> int:
     return int(record.get("regenerated", {}).get("output_tokens", 0))
 
 
-def subset(records: list[dict], tokens: int, cfg) -> list[dict]:
-    """The fixed val conversations plus the first training conversations (by id hash) up to `tokens` reply tokens."""
+def subset(records: list[dict], tokens: int, cfg, val_records: list[dict] | None = None) -> list[dict]:
+    """The fixed val conversations plus the first training conversations (by id hash) up to `tokens` reply tokens.
+
+    val_records: where the val conversations come from (default: `records`); a fixed set keeps val comparable while
+    regenerate adds shards to `records`. The val-split conversations of `records` outside it are not trained on."""
     split = cfg.data.split
-    val = [r for r in records if split_of(r["id"], split.val_fraction, split.bench_fraction) != "train"]
+    val = [r for r in (records if val_records is None else val_records)
+           if split_of(r["id"], split.val_fraction, split.bench_fraction) != "train"]
     train = sorted((r for r in records if split_of(r["id"], split.val_fraction, split.bench_fraction) == "train"),
                    key=lambda r: stable_fraction("curve:" + r["id"]))
     chosen, total = [], 0
@@ -121,7 +126,7 @@ def run_point(name: str, records: list[dict], tokens: int, overrides: list[str],
     started = time.monotonic()
     load_start = os.getloadavg()
     base = load_config(CONFIG, [f"data_dir={args.data_dir}", *args.overrides])
-    chosen = subset(records, tokens, base)
+    chosen = subset(records, tokens, base, read_records(args.val_from) if args.val_from else None)
     source = write_subset(chosen, Path(args.data_dir) / "curve" / f"{name}.jsonl")
     cfg = load_config(CONFIG, [f"data_dir={args.data_dir}", "regenerate.enabled=false", f"data.conversations={source}",
                                *args.overrides, *overrides])
@@ -159,6 +164,8 @@ def main() -> int:
     parser.add_argument("mode", choices=["curve", "ab"])
     parser.add_argument("--conversations", required=True, type=Path, help="conversations.jsonl or a shards/ directory")
     parser.add_argument("--tokens", required=True, help="reply tokens per point, comma-separated")
+    parser.add_argument("--val-from", type=Path, help="take the val conversations from these conversations (a file "
+                        "or shards/ directory) instead: one val set for points run while regenerate adds shards")
     parser.add_argument("--variant", action="append", default=[], help="ab: NAME:KEY=VALUE[,KEY=VALUE...]")
     parser.add_argument("--questions", type=int, default=20, help="MT-bench questions (both turns each)")
     parser.add_argument("--engines", default="vllm", help="engines that measure MT-bench: vllm, reference or both")

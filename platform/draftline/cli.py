@@ -27,6 +27,7 @@ COMMAND_MODULES = {
     "serve": "draftline.serving.cli",
     "traffic": "draftline.commands.traffic",
     "run": "draftline.commands.run",
+    "refresh": "draftline.commands.refresh",
     "sglang-command": "draftline.engines.sglang.cli",
     "check-sglang-args": "draftline.engines.sglang.cli",
 }
@@ -47,6 +48,7 @@ EXPECTED_ERRORS = frozenset({
     "draftline.extract.shards.IncompatibleHiddenStates",
     "draftline.extract.shards.ShardError",
     "draftline.records.RecordError",
+    "draftline.refresh.run.RefreshError",
     "draftline.registry.RegistryError",
     "draftline.release.ReleaseError",
     "draftline.serving.control.ServingError",

@@ -167,6 +167,10 @@ class DataConfig(Strict):
     )
     split: SplitConfig = SplitConfig()
     draft_vocab_size: int = Field(1024, ge=2)
+    draft_vocab_file: Optional[str] = Field(
+        None, description="a vocab.safetensors (d2t, t2d) the dataset keeps instead of building its draft vocab from "
+        "the train split: a drafter trained further must keep the vocab it was trained with (draftline refresh)",
+    )
     thinking: Optional[Literal["on", "off", "mixed"]] = Field(
         None, description="the target's thinking switch (its chat template's enable_thinking, or thinking) at prepare, "
         "regenerate and bench: on, off, or mixed (each conversation on or off by a hash of its id, "
@@ -292,6 +296,10 @@ class TrainConfig(Strict):
     )
     collective_timeout_s: float = Field(
         1800, gt=0, description="deadline of the workers' process-group init and of each collective (gloo/nccl)"
+    )
+    init_from: Optional[str] = Field(
+        None, description="a drafter export directory whose weights training starts from (draftline refresh continues "
+        "the champion); None: fresh weights, the lm_head starting as the target's rows for the draft vocab",
     )
     num_attention_heads: Optional[int] = Field(None, description="drafter heads; default = target's")
     intermediate_size: Optional[int] = Field(None, description="drafter MLP width; default = target's")
@@ -536,6 +544,47 @@ class ServeConfig(Strict):
     drift: DriftConfig = DriftConfig()
 
 
+class RefreshConfig(Strict):
+    """`draftline refresh`: train the champion further on captured traffic, gated on it and on the original bench
+    (docs/refresh.md)."""
+
+    min_records: int = Field(
+        20, ge=2, description="distinct captured chat requests needed to refresh (fewer: refresh stops and says so)"
+    )
+    max_records: Optional[int] = Field(
+        None, ge=2, description="use only the newest N distinct requests of the store; None: all of them"
+    )
+    held_out_fraction: float = Field(
+        0.2, gt=0, lt=1, description="the newest share of the window's requests, held out to gate on (never trained on)"
+    )
+    replay_ratio: float = Field(
+        1.0, ge=0, description="conversations of the original dataset's train split mixed in per traffic conversation "
+        "trained on, so what the champion learned there is not forgotten",
+    )
+    train_steps: Optional[int] = Field(
+        None, ge=1, description="steps of the continued training; None: train.max_steps"
+    )
+    lr: Optional[float] = Field(None, gt=0, description="learning rate of the continued training; None: train.lr")
+    bench_champion_margin: float = Field(
+        -0.05, le=0, description="on the original bench set the candidate's accept length must reach the champion's "
+        "+ this (<= 0: the drop allowed there); on the held-out traffic gate.champion_margin applies",
+    )
+
+    @model_validator(mode="after")
+    def _window(self) -> "RefreshConfig":
+        held_out = int(self.min_records * self.held_out_fraction)
+        if held_out < 1 or held_out >= self.min_records:
+            raise ValueError(
+                f"refresh.min_records={self.min_records} with refresh.held_out_fraction={self.held_out_fraction} "
+                f"holds out {held_out} request(s): at least one must be held out and one trained on; raise "
+                "refresh.min_records or change refresh.held_out_fraction"
+            )
+        if self.max_records is not None and self.max_records < self.min_records:
+            raise ValueError(f"refresh.max_records={self.max_records} < refresh.min_records={self.min_records}: no "
+                             "window could be used; raise refresh.max_records or lower refresh.min_records")
+        return self
+
+
 class RayConfig(Strict):
     address: Optional[str] = Field(None, description="None = RAY_ADDRESS or a local Ray started by the job")
     num_cpus: Optional[int] = None
@@ -555,6 +604,7 @@ class DraftlineConfig(Strict):
     bench: BenchConfig = BenchConfig()
     gate: GateConfig = GateConfig()
     serve: ServeConfig = ServeConfig()
+    refresh: RefreshConfig = RefreshConfig()
     ray: RayConfig = RayConfig()
 
     # Derived locations (docs/pipeline.md, "Data dir").

@@ -279,8 +279,12 @@ def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_
     return checks, rounds_run, report
 
 
-def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> GateDecision:
-    """Bench, decide and record the gate for `version` (default: the latest version of the registered model)."""
+def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print,
+             dataset_dir: Optional[Path] = None) -> GateDecision:
+    """Bench, decide and record the gate for `version` (default: the latest version of the registered model).
+
+    Without bench.prompts the bench is the bench split of `dataset_dir`, default the dataset the candidate was
+    trained on (draftline refresh gates on the original dataset's)."""
     import mlflow
 
     version = str(version or latest_version(cfg))
@@ -300,7 +304,7 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print) -> 
     log(f"[gate] {cfg.registered_model_name} version {version}" + (f" vs champion {champion.version}" if champion else ""))
     # The bench split of the dataset the candidate was trained on (prepare runs only when that one is gone).
     checks, rounds, report = gate_bench(
-        cfg, candidates, candidate_label, champion_label, log, dataset_dir=trained_dataset_dir(cfg, candidate)
+        cfg, candidates, candidate_label, champion_label, log, dataset_dir=dataset_dir or trained_dataset_dir(cfg, candidate)
     )
     decision = GateDecision(version, all(c.passed for c in checks), checks, champion.version if champion else None,
                             rounds=rounds, bench=report)  # fmt: skip

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("serving", {"serving"}),
     ("release", {"release"}),  # a rollout: moves the registry's aliases and rolls serving
     ("pipeline", {"pipeline", "report"}),
+    ("refresh", {"refresh"}),  # the pipeline's stages again, on captured traffic
     ("commands", {"cli", "commands"}),
 ]
 

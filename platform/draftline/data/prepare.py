@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftline.config import DraftlineConfig, write_resolved
+from draftline.config import ConfigError, DraftlineConfig, write_resolved
 from draftline.data.benchmarks import Benchmark, load_benchmark
 from draftline.data.contamination import HeldOutIndex
 from draftline.data.conversations import BadInput, Conversation, DataError, drop_duplicate_ids, read_conversations
@@ -45,9 +45,15 @@ def tokenizer_fingerprint(target_dir: Path) -> str:
 
 
 def dataset_hash(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, held_out: list[Benchmark]) -> str:
-    unset = {"thinking", "thinking_on_fraction"} if cfg.data.thinking is None else set()  # earlier hashes stay valid
+    # Settings left unset are left out, so hashes from before they existed stay valid.
+    unset = {"thinking", "thinking_on_fraction"} if cfg.data.thinking is None else set()
+    kept_vocab = []
+    if cfg.data.draft_vocab_file is None:
+        unset.add("draft_vocab_file")
+    else:
+        kept_vocab = [sha256_file(Path(cfg.data.draft_vocab_file))]
     return stable_hash(sha256_file(conv_path), tokenizer_fingerprint(target_dir),
-                       cfg.data.model_dump(mode="json", exclude=unset), [b.sha256 for b in held_out])[:16]
+                       cfg.data.model_dump(mode="json", exclude=unset), [b.sha256 for b in held_out], *kept_vocab)[:16]
 
 
 def prepare(cfg: DraftlineConfig, target_dir: Path | None = None) -> Path:
@@ -134,8 +140,11 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
         raise DataError(problems + [BadInput(str(conv_path), 0, "bad_field", "no usable training conversation is left")])
 
     masked_ids = [t for s in splits["train"] for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
-    always = [tokenizer.convert_tokens_to_ids(eot)] if eot else []
-    d2t, t2d, vocab_stats = build_draft_vocab(masked_ids, target_vocab_size, cfg.data.draft_vocab_size, always)
+    if cfg.data.draft_vocab_file is not None:
+        d2t, t2d, vocab_stats = kept_draft_vocab(cfg, masked_ids, target_vocab_size)
+    else:
+        always = [tokenizer.convert_tokens_to_ids(eot)] if eot else []
+        d2t, t2d, vocab_stats = build_draft_vocab(masked_ids, target_vocab_size, cfg.data.draft_vocab_size, always)
 
     by_kind: dict[str, int] = {}
     for p in problems:
@@ -164,6 +173,25 @@ def _build_dataset(cfg: DraftlineConfig, target_dir: Path, conv_path: Path, out_
     }
     _write_dataset_dir(cfg, out_dir, splits, d2t, t2d, report, manifest)
     return out_dir
+
+
+def kept_draft_vocab(cfg: DraftlineConfig, masked_ids: list[int], target_vocab_size: int):
+    """data.draft_vocab_file's (d2t, t2d, stats), checked against the target and data.draft_vocab_size."""
+    path = Path(cfg.data.draft_vocab_file)
+    if not path.is_file():
+        raise ConfigError(f"data.draft_vocab_file={path} does not exist; point it at a vocab.safetensors (d2t, t2d) "
+                          "or leave it empty to build the draft vocab from the train split")
+    d2t, t2d = load_vocab_file(path)
+    if t2d.shape[0] != target_vocab_size or d2t.shape[0] != cfg.data.draft_vocab_size:
+        raise ConfigError(
+            f"data.draft_vocab_file={path} maps {d2t.shape[0]} draft tokens onto a target vocab of {t2d.shape[0]}; this "
+            f"target has {target_vocab_size} tokens and data.draft_vocab_size is {cfg.data.draft_vocab_size}: set "
+            "data.draft_vocab_size to match, or use a vocab built for this target"
+        )
+    in_vocab = t2d.bool().tolist()
+    covered = sum(1 for t in masked_ids if in_vocab[t])
+    return d2t, t2d, {"kept_from": str(path), "distinct_masked_tokens": len(set(masked_ids)),
+                      "masked_tokens": len(masked_ids), "coverage": covered / len(masked_ids) if masked_ids else 0.0}
 
 
 def _write_dataset_dir(cfg: DraftlineConfig, out_dir: Path, splits: dict[str, list[dict]], d2t, t2d, report: dict,

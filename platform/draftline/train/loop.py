@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftline.drafter.export import save_drafter_checkpoint
+from draftline.drafter.export import load_drafter, save_drafter_checkpoint
 from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import est_accept_len, ttt_loss
 from draftline.extract.online import stream_dataset_name
@@ -323,6 +323,13 @@ def build_drafter(drafter_config: DrafterConfig, head: TargetHead, d2t: torch.Te
     return drafter
 
 
+def start_from_export(drafter: Eagle3Drafter, export_dir: str) -> None:
+    """train.init_from: every weight (and the draft vocab) of a drafter export, cast to the drafter's dtype; the
+    driver checked that its shape and vocab are this run's (train/run.py check_init_from)."""
+    with torch.no_grad():
+        drafter.load_state_dict(load_drafter(export_dir).state_dict(), strict=True)
+
+
 def target_final_norm(head: TargetHead, drafter: Eagle3Drafter) -> torch.Tensor:
     """The target's final norm weight, which scales what its lm_head (the drafter's starting head) reads."""
     width = drafter.norm.weight.shape[0]
@@ -394,6 +401,8 @@ def _train(job: TrainingJob) -> None:
     t2d_device = t2d.to(device)
 
     drafter = build_drafter(job.drafter_config, head, d2t, t2d, cfg.train.init_norm_from_target)
+    if cfg.train.init_from:
+        start_from_export(drafter, cfg.train.init_from)
     objective = objective_for(drafter, train_cfg)
     make_batch = batch_maker(train_cfg)
     optimizer = torch.optim.AdamW(

@@ -22,7 +22,7 @@ import torch
 from draftline import faults
 from draftline.config import ConfigError, DraftlineConfig, shown_config, write_resolved
 from draftline.data.prepare import load_split, load_vocab
-from draftline.drafter.export import export_from_checkpoint
+from draftline.drafter.export import export_from_checkpoint, load_drafter
 from draftline.drafter.model import DrafterConfig
 from draftline.extract.online import TRAIN, VAL, build_streams, shard_sizes_for, streamed_bytes_per_token
 from draftline.extract.run import aux_layer_ids_for, capture_plan, check_dataset_matches_target, target_info
@@ -193,6 +193,23 @@ def _vocab(dataset_dir: Path, hf_config) -> tuple[torch.Tensor, torch.Tensor]:
             f"train: t2d in {dataset_dir} covers {t2d.shape[0]} tokens, the target's vocab_size is {hf_config.vocab_size}"
         )
     return d2t, t2d
+
+
+def check_init_from(cfg: DraftlineConfig, drafter_config: DrafterConfig, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """train.init_from must be a drafter of this run's shape trained with this dataset's draft vocab."""
+    where = f"train.init_from={cfg.train.init_from}"
+    try:
+        start = load_drafter(cfg.train.init_from)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}; point it at a drafter export directory, or leave it empty") from None
+    differing = [f"{name} {getattr(start.config, name)!r} (this run: {getattr(drafter_config, name)!r})"
+                 for name in drafter_config.to_dict() if getattr(start.config, name) != getattr(drafter_config, name)]
+    if differing:
+        raise ConfigError(f"{where} is a drafter of another shape: {'; '.join(differing)}; train with the settings it "
+                          "was trained with (train.num_attention_heads, train.intermediate_size, the same target)")
+    if not (torch.equal(start.d2t.cpu(), d2t) and torch.equal(start.t2d.cpu(), t2d)):
+        raise ConfigError(f"{where} was trained with another draft vocab than this dataset's: prepare the dataset with "
+                          "data.draft_vocab_file set to that drafter's vocab (draftline refresh does)")
 
 
 def online_inputs(cfg: DraftlineConfig, dataset_dir: str | os.PathLike, target_dir: str | os.PathLike) -> TrainInputs:
@@ -453,6 +470,8 @@ def train(
         num_attention_heads=cfg.train.num_attention_heads,
         intermediate_size=cfg.train.intermediate_size,
     )
+    if cfg.train.init_from:
+        check_init_from(cfg, drafter_config, inputs.d2t, inputs.t2d)
     run_id = _start_or_resume_mlflow_run(cfg, out_dir, train_hash, inputs)
     job = TrainingJob(
         cfg=cfg, target_dir=str(inputs.target_dir), d2t=inputs.d2t, t2d=inputs.t2d, drafter_config=drafter_config,

@@ -1,0 +1,1 @@
+"""`draftline refresh`: train the champion further on captured traffic (docs/refresh.md)."""

@@ -451,6 +451,10 @@ class GateConfig(Strict):
     rounds_per_look: int = Field(2, ge=1, description="rounds added before each further look")
     require_lossless: bool = True
     champion_margin: float = Field(0.0, description="candidate accept length must exceed champion's by this much")
+    champion_per_segment: bool = Field(
+        False, description="also hold the champion check within each prompt segment of the bench (has-tools, "
+        "thinking-on, thinking-off, plain) when it has more than one (draftline refresh turns it on)",
+    )
     max_p99_latency_ratio: float = Field(1.5, gt=0, description="candidate p99 ITL / champion p99 ITL upper bound")
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ champion take turns on the same prompts at every concurrency level, greedy. Time
   accept_length   exact: candidate accept length >= gate.min_accept_len at every concurrency level
   lossless        exact: every candidate output, every round, token-identical to the target's (gate.require_lossless)
   champion        exact: candidate accept length >= champion's + gate.champion_margin
+  champion[seg]   exact: the same within each prompt segment, when the bench has several (gate.champion_per_segment)
   speedup@c       timed: candidate vs target-only tokens/s at concurrency c against gate.min_speedup (per level)
   p99_itl@c       timed: candidate p99 inter-token latency / champion's at concurrency c <= gate.max_p99_latency_ratio
 A timed check passes when its whole interval is on the good side of the threshold, fails when it is wholly on the
@@ -190,6 +191,8 @@ def decide(gate: GateConfig, report: dict, candidate_label: str, champion_label:
             f"accept length {accept:.2f} vs champion {champion_accept:.2f} + margin {gate.champion_margin}",
         )
     )
+    if gate.champion_per_segment:
+        checks += segment_champion_checks(gate, candidate, _rows(report, champion_label))
     for level, ratio in sorted(report.get("champion_p99_itl", {}).items(), key=lambda item: int(item[0])):
         outcome = timed_outcome(ratio["low"], ratio["high"], gate.max_p99_latency_ratio, higher_is_better=False)
         checks.append(Check(
@@ -199,6 +202,26 @@ def decide(gate: GateConfig, report: dict, candidate_label: str, champion_label:
             [ratio["low"], ratio["high"]],
         ))  # fmt: skip
     return checks
+
+
+def segment_champion_checks(gate: GateConfig, candidate: list[dict], champion: list[dict]) -> list[Check]:
+    """The champion check within each prompt segment both measured (lowest over concurrency levels), when the bench
+    has more than one: a candidate better overall may still be worse on one kind of prompt."""
+    def by_segment(rows: list[dict]) -> dict[str, float]:
+        lowest: dict[str, float] = {}
+        for row in rows:
+            for segment, measured in (row.get("accept_length_by_segment") or {}).items():
+                if measured["accept_length"] is not None:
+                    lowest[segment] = min(lowest.get(segment, measured["accept_length"]), measured["accept_length"])
+        return lowest
+
+    ours, theirs = by_segment(candidate), by_segment(champion)
+    segments = sorted(set(ours) & set(theirs))
+    if len(segments) < 2:
+        return []
+    return [Check(f"champion[{segment}]", PASS if ours[segment] >= theirs[segment] + gate.champion_margin else FAIL,
+                  f"accept length on {segment} prompts {ours[segment]:.2f} vs champion {theirs[segment]:.2f} + margin "
+                  f"{gate.champion_margin}") for segment in segments]  # fmt: skip
 
 
 def look_schedule(gate: GateConfig) -> list[int]:

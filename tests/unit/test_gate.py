@@ -156,3 +156,17 @@ def test_a_clear_result_stops_at_the_first_look():
     gate = GateConfig(min_rounds=3, max_rounds=9)
     assert run_sequential(gate, lambda n: (0.5, 0.7))[:2] == ({"speedup@1": FAIL, "accept_length": PASS,
                                                               "lossless": PASS, "champion": PASS}, 3)  # fmt: skip
+
+
+def test_champion_per_segment_fails_a_candidate_better_overall_but_worse_on_one_segment():
+    def segmented(label, plain, tools):
+        return {**row(label, accept=(plain + tools) / 2), "accept_length_by_segment": {
+            "plain": {"accept_length": plain, "prompts": 3}, "has-tools": {"accept_length": tools, "prompts": 2}}}
+
+    report = {"rows": [segmented("v2", 3.6, 2.0), segmented("champion-v1", 2.4, 2.2)]}
+    assert failed(decide(GateConfig(), report, "v2", "champion-v1")) == set()
+    per_segment = decide(GateConfig(champion_per_segment=True), report, "v2", "champion-v1")
+    assert failed(per_segment) == {"champion[has-tools]"} and "champion[plain]" in outcomes(per_segment)
+    one_segment = {"rows": [{**row("v2"), "accept_length_by_segment": {"plain": {"accept_length": 3.0, "prompts": 4}}},
+                            {**row("champion-v1"), "accept_length_by_segment": {"plain": {"accept_length": 2.0, "prompts": 4}}}]}
+    assert "champion[plain]" not in outcomes(decide(GateConfig(champion_per_segment=True), one_segment, "v2", "champion-v1"))

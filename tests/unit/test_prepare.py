@@ -10,10 +10,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 import draftline.data.prepare as prepare_module
+from draftline.config import ConfigError
 from draftline.data.conversations import DataError, read_conversations
 from draftline.data.prepare import load_split, load_vocab, prepare
+from draftline.data.vocab import save_vocab
 from draftline.utils import StorageFullError, read_json
 from conftest import make_test_config
 
@@ -204,3 +207,26 @@ def test_a_full_tmpfs_fails_in_one_line_and_a_rerun_with_room_completes(tmp_path
     subprocess.run(["mount", "-o", "remount,size=16m", str(one_mb_tmpfs)], check=True)
     out = prepare(cfg, tiny_target_dir)
     assert len(load_split(out, "train")) == read_json(out / "manifest.json")["samples"]["train"] > 1000
+
+
+def test_a_kept_draft_vocab_is_used_as_is_and_one_of_another_size_is_refused(tmp_path, tiny_target_dir, tiny_dataset_dir):
+    """data.draft_vocab_file (draftline refresh keeps its champion's vocab): the dataset's vocab is that file's, not
+    one built from its own train split; a vocab of another size names the field and the fix."""
+    d2t, t2d = load_vocab(tiny_dataset_dir)
+    kept = tmp_path / "vocab.safetensors"
+    save_vocab(kept, d2t, t2d)
+    path = _write(tmp_path / "conv.jsonl", [{"id": f"c{i}", **GOOD} for i in range(3)])
+    cfg = make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.split.val_fraction=0.0",
+                                             "data.split.bench_fraction=0.0", f"data.draft_vocab_file={kept}"])
+    out = prepare(cfg, tiny_target_dir)
+    got_d2t, got_t2d = load_vocab(out)
+    assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d)
+    assert read_json(out / "report.json")["draft_vocab"]["kept_from"] == str(kept)
+    built = prepare(make_test_config(tmp_path / "dd", [f"data.conversations={path}", "data.split.val_fraction=0.0",
+                                                       "data.split.bench_fraction=0.0"]), tiny_target_dir)
+    assert not torch.equal(load_vocab(built)[1], t2d)  # what the three conversations alone would have given
+
+    smaller = make_test_config(tmp_path / "dd", [f"data.conversations={path}", f"data.draft_vocab_file={kept}",
+                                                 "data.draft_vocab_size=64"])
+    with pytest.raises(ConfigError, match=r"data.draft_vocab_file=.*maps 512 draft tokens.*data.draft_vocab_size is 64"):
+        prepare(smaller, tiny_target_dir)

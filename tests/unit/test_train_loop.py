@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftline.config import load_config
+from draftline.config import ConfigError, load_config
+from draftline.drafter.export import export_drafter
 from draftline.drafter.model import DrafterConfig
 from draftline.drafter.ttt import est_accept_len, target_signals, ttt_loss
 from draftline.faults import Fault
@@ -27,9 +28,10 @@ from draftline.train.loop import (
     lr_multiplier,
     objective_inputs,
     save_and_report,
+    start_from_export,
 )
 from draftline.train.order import is_checkpoint_step, is_validation_step
-from draftline.train.run import flatten
+from draftline.train.run import check_init_from, flatten
 from draftline.utils import StorageFullError
 
 HIDDEN, TARGET_VOCAB, DRAFT_VOCAB = 16, 40, 24
@@ -273,3 +275,29 @@ def test_a_full_disk_while_checkpointing_is_one_line_naming_the_place_and_the_se
         assert re.match(rf"cannot write {tempfile.gettempdir()}/draftline-ckpt-rank1-\w+: No space left on device .*"
                         r"point TMPDIR at a writable disk with room, then rerun$", message), message
     assert _staging_dirs() == before, "the staged checkpoint must be removed"
+
+
+def test_train_init_from_starts_from_every_weight_of_an_export_and_refuses_another_shape_or_vocab(tmp_path):
+    """train.init_from (what draftline refresh continues from): the worker loads the export's weights; the driver
+    refuses a drafter of another shape or draft vocab, naming the field and the fix."""
+    head = TargetHead(torch.randn(TARGET_VOCAB, HIDDEN), torch.randn(TARGET_VOCAB, HIDDEN))
+    d2t, t2d = _vocab()
+    trained = build_drafter(_drafter_config(), head, d2t, t2d)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    export_dir = export_drafter(trained, tmp_path / "champion")
+
+    fresh = build_drafter(_drafter_config(), head, d2t, t2d)
+    start_from_export(fresh, str(export_dir))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in trained.state_dict().items())
+
+    cfg = load_config("configs/tiny-cpu.yaml", [f"train.init_from={export_dir}"])
+    check_init_from(cfg, _drafter_config(), d2t, t2d)
+    wider = DrafterConfig(**{**_drafter_config().__dict__, "intermediate_size": 64})
+    with pytest.raises(ConfigError, match=r"train.init_from=.*another shape: intermediate_size 32 \(this run: 64\)"):
+        check_init_from(cfg, wider, d2t, t2d)
+    other_t2d = t2d.roll(1)
+    other_d2t = torch.nonzero(other_t2d).flatten() - torch.arange(DRAFT_VOCAB)
+    with pytest.raises(ConfigError, match="another draft vocab.*data.draft_vocab_file"):
+        check_init_from(cfg, _drafter_config(), other_d2t, other_t2d)

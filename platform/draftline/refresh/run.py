@@ -12,8 +12,9 @@
 4. the new version is tagged with the traffic window it saw (TrafficWindow.provenance) and its champion.
 5. gate against the champion, twice: on the held-out traffic (bench.prompts = held_out.jsonl, gate.* as configured),
    then on the original bench set (bench.prompts, else the original dataset's bench split) with gate.champion_margin
-   = refresh.bench_champion_margin. The second runs only when the first passed, so the version's `gate` tag is the
-   verdict of both.
+   = refresh.bench_champion_margin. Both hold the champion check in each prompt segment too, where the bench has
+   several (gate.champion_per_segment). The second runs only when the first passed, so the version's `gate` tag is
+   the verdict of both.
 6. both passed: `promote_and_roll` (serving rolls first, then the aliases move). Otherwise the champion stays.
 """
 
@@ -194,6 +195,7 @@ def refresh(cfg: DraftlineConfig, promote: bool = True) -> RefreshRecord:
 def _gate(cfg: DraftlineConfig, version: str, what: str, overrides: dict[str, Any],
           dataset_dir: Optional[Path] = None) -> GateDecision:
     _log(f"gate on the {what}")
-    decision = run_gate(with_overrides(cfg, overrides), version, dataset_dir=dataset_dir)
+    decision = run_gate(with_overrides(cfg, {**overrides, "gate.champion_per_segment": True}), version,
+                        dataset_dir=dataset_dir)
     _log(f"gate on the {what}: {decision.verdict} ({decision.reasons})")
     return decision

@@ -203,3 +203,14 @@ def test_config_names_the_families_and_chat_layouts_the_target_layer_holds():
         load_config("configs/tiny-cpu.yaml", ["target.embedded.family=gpt"])
     with pytest.raises(ConfigError, match="target.embedded.chat_template: Input should be 'draftline'"):
         load_config("configs/tiny-cpu.yaml", ["target.embedded.chat_template=chatml"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["refresh.min_records=4"], r"refresh.min_records=4 with refresh.held_out_fraction=0.2 holds out 0 request\(s\).*"
+                                r"raise refresh.min_records or change refresh.held_out_fraction"),
+    (["refresh.max_records=10"], r"refresh.max_records=10 < refresh.min_records=20.*raise refresh.max_records"),
+    (["refresh.bench_champion_margin=0.5"], r"refresh.bench_champion_margin: Input should be less than or equal to 0"),
+])
+def test_a_refresh_window_that_cannot_work_is_refused_naming_the_fields_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)

@@ -4,9 +4,14 @@ capture from a live endpoint is tested in tests/integration/test_traffic.py."""
 
 from __future__ import annotations
 
-from draftline.config import RefreshConfig
+import pytest
+
+from draftline.cli import main
+from draftline.config import RefreshConfig, load_config
+from draftline.refresh.run import RefreshError, load_window
 from draftline.refresh.window import replay_sample, traffic_window
 from draftline.serving.traffic_store import ShardWriter, read_records
+from conftest import REPO
 
 
 def _chat(i: int, time_s: float, prompt: str, reply: str = "ok", segment=None) -> dict:
@@ -62,3 +67,18 @@ def test_replay_picks_the_same_seeded_share_of_the_original_conversations():
     assert len(first) == 5 and first == replay_sample(list(reversed(originals)), 5, seed=0)
     assert [c["id"] for c in first] != [c["id"] for c in replay_sample(originals, 5, seed=1)]
     assert len(replay_sample(originals, 50, seed=0)) == 20
+
+
+def test_too_little_traffic_stops_the_refresh_in_one_line_naming_the_store_and_the_fix(tmp_path, capsys):
+    """Before any champion is looked up or anything trains: a store of 3 distinct chat requests (4 records, one
+    prompt repeated) against refresh.min_records=20."""
+    _stored(tmp_path, [_chat(0, 1.0, "a"), _chat(1, 2.0, "b"), _chat(2, 3.0, "a"), _chat(3, 4.0, "c")])
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", [f"data_dir={tmp_path / 'data'}",
+                                                          f"serve.traffic.dir={tmp_path / 'traffic'}"])
+    with pytest.raises(RefreshError, match=r"holds 3 distinct chat request\(s\) \(4 record\(s\) read, 1 repeated.*"
+                                           r"refresh.min_records is 20: capture more traffic"):
+        load_window(cfg)
+    assert main(["refresh", "-c", str(REPO / "configs" / "tiny-cpu.yaml"), f"data_dir={tmp_path / 'data'}",
+                 f"serve.traffic.dir={tmp_path / 'traffic'}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]

@@ -156,8 +156,8 @@ def tag_version(cfg: DraftlineConfig, result: TrainResult, tags: dict[str, str])
 
 def refresh(cfg: DraftlineConfig, promote: bool = True) -> RefreshRecord:
     """Run a refresh (module doc); `promote=False` gates without promoting."""
-    champion = resolve_alias(cfg, CHAMPION)
     window = load_window(cfg)
+    champion = resolve_alias(cfg, CHAMPION)
     target_dir = resolve_target_dir(cfg)
     original_dataset = prepare(cfg, target_dir)
     data = write_refresh_data(cfg, window, original_dataset, champion)

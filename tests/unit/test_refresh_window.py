@@ -4,6 +4,9 @@ capture from a live endpoint is tested in tests/integration/test_traffic.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from draftline.cli import main
@@ -82,3 +85,20 @@ def test_too_little_traffic_stops_the_refresh_in_one_line_naming_the_store_and_t
                  f"serve.traffic.dir={tmp_path / 'traffic'}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
+
+
+def test_the_ray_job_entry_point_dry_run_shows_the_window_and_writes_nothing(tmp_path):
+    """jobs/refresh.py (what `ray job submit` runs) with --dry-run: the window's split by time, nothing trained."""
+    _stored(tmp_path, [_chat(i, 1_800_000_000.0 + 60 * i, f"p{i}", segment="team-a") for i in range(10)])
+    data_dir = tmp_path / "data"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "refresh.py"), "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
+         "--dry-run", f"data_dir={data_dir}", f"serve.traffic.dir={tmp_path / 'traffic'}", "refresh.min_records=10"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "10 record(s) read, 0 repeated prompt(s)" in done.stdout
+    assert "train on 8 request(s) finished 2027-01-15T08:00:00Z .. 2027-01-15T08:07:00Z" in done.stdout
+    assert "hold out 2 request(s) finished 2027-01-15T08:08:00Z .. 2027-01-15T08:09:00Z" in done.stdout
+    assert "client segments: team-a" in done.stdout
+    assert not (data_dir / "refresh").exists()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -93,6 +94,25 @@ def load_window(cfg: DraftlineConfig) -> TrafficWindow:
             f"{cfg.refresh.min_records}: capture more traffic (serve.traffic.enabled) or lower refresh.min_records"
         )
     return window
+
+
+def window_summary(window: TrafficWindow) -> str:
+    """What a refresh would train and gate on, for `draftline refresh --dry-run`."""
+    tags = window.provenance()
+    skipped = ", ".join(f"{n} {why}" for why, n in window.skipped.items()) or "none"
+    return "\n".join([
+        f"traffic window {window.window_hash()}: {window.records_read} record(s) read, {window.duplicates} repeated "
+        f"prompt(s) dropped, skipped: {skipped}",
+        f"  train on {len(window.train)} request(s) finished {_utc(window.train[0].time_s)} .. "
+        f"{_utc(window.train[-1].time_s)}",
+        f"  hold out {len(window.held_out)} request(s) finished {_utc(window.held_out[0].time_s)} .. "
+        f"{_utc(window.held_out[-1].time_s)}",
+        f"  client segments: {tags['refresh.traffic_segments'] or 'none'}",
+    ])
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def write_refresh_data(cfg: DraftlineConfig, window: TrafficWindow, original_dataset: Path,

@@ -6,7 +6,7 @@ champion take turns on the same prompts at every concurrency level, greedy. Time
   accept_length   exact: candidate accept length >= gate.min_accept_len at every concurrency level
   lossless        exact: every candidate output, every round, token-identical to the target's (gate.require_lossless)
   champion        exact: candidate accept length >= champion's + gate.champion_margin
-  champion[seg]   exact: the same within each prompt segment, when the bench has several (gate.champion_per_segment)
+  champion/seg    exact: the same within each prompt segment, when the bench has several (gate.champion_per_segment)
   speedup@c       timed: candidate vs target-only tokens/s at concurrency c against gate.min_speedup (per level)
   p99_itl@c       timed: candidate p99 inter-token latency / champion's at concurrency c <= gate.max_p99_latency_ratio
 A timed check passes when its whole interval is on the good side of the threshold, fails when it is wholly on the
@@ -24,6 +24,7 @@ gate_run_id. `draftline promote` reads the `gate` tag.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
@@ -219,7 +220,7 @@ def segment_champion_checks(gate: GateConfig, candidate: list[dict], champion: l
     segments = sorted(set(ours) & set(theirs))
     if len(segments) < 2:
         return []
-    return [Check(f"champion[{segment}]", PASS if ours[segment] >= theirs[segment] + gate.champion_margin else FAIL,
+    return [Check(f"champion/{segment}", PASS if ours[segment] >= theirs[segment] + gate.champion_margin else FAIL,
                   f"accept length on {segment} prompts {ours[segment]:.2f} vs champion {theirs[segment]:.2f} + margin "
                   f"{gate.champion_margin}") for segment in segments]  # fmt: skip
 
@@ -302,6 +303,12 @@ def gate_bench(cfg: DraftlineConfig, candidates, candidate_label: str, champion_
     return checks, rounds_run, report
 
 
+def check_metric_name(check_name: str) -> str:
+    """The MLflow metric of a check: `@` reads `_c`, and what MLflow refuses in a name (a client segment tag may hold
+    `:`) becomes `_`."""
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", f"check_{check_name.replace('@', '_c')}")
+
+
 def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print,
              dataset_dir: Optional[Path] = None) -> GateDecision:
     """Bench, decide and record the gate for `version` (default: the latest version of the registered model).
@@ -354,7 +361,7 @@ def run_gate(cfg: DraftlineConfig, version: Optional[str] = None, log=print,
             mlflow.log_metric("speedup_ci_low", row["speedup_ci"][0], step=row["concurrency"])
             mlflow.log_metric("speedup_ci_high", row["speedup_ci"][1], step=row["concurrency"])
         for check in checks:
-            mlflow.log_metric(f"check_{check.name.replace('@', '_c')}", float(check.passed))
+            mlflow.log_metric(check_metric_name(check.name), float(check.passed))
         mlflow.log_metric("rounds", rounds)
         for key, value in report["machine_load"].items():
             mlflow.log_metric(f"machine_{key}", value)

@@ -6,7 +6,7 @@ import pytest
 
 from draftline.config import GateConfig
 from draftline.gate import (
-    FAIL, INCONCLUSIVE, PASS, Check, GateDecision, decide, look_schedule, sequential_checks, timed_outcome,
+    FAIL, INCONCLUSIVE, PASS, Check, GateDecision, check_metric_name, decide, look_schedule, sequential_checks, timed_outcome,
 )
 
 
@@ -166,7 +166,15 @@ def test_champion_per_segment_fails_a_candidate_better_overall_but_worse_on_one_
     report = {"rows": [segmented("v2", 3.6, 2.0), segmented("champion-v1", 2.4, 2.2)]}
     assert failed(decide(GateConfig(), report, "v2", "champion-v1")) == set()
     per_segment = decide(GateConfig(champion_per_segment=True), report, "v2", "champion-v1")
-    assert failed(per_segment) == {"champion[has-tools]"} and "champion[plain]" in outcomes(per_segment)
+    assert failed(per_segment) == {"champion/has-tools"} and "champion/plain" in outcomes(per_segment)
     one_segment = {"rows": [{**row("v2"), "accept_length_by_segment": {"plain": {"accept_length": 3.0, "prompts": 4}}},
                             {**row("champion-v1"), "accept_length_by_segment": {"plain": {"accept_length": 2.0, "prompts": 4}}}]}
-    assert "champion[plain]" not in outcomes(decide(GateConfig(champion_per_segment=True), one_segment, "v2", "champion-v1"))
+    assert "champion/plain" not in outcomes(decide(GateConfig(champion_per_segment=True), one_segment, "v2", "champion-v1"))
+
+
+def test_check_metric_names_are_names_mlflow_takes():
+    from mlflow.utils.validation import _validate_metric_name
+
+    for name in ("speedup@4", "champion/has-tools", "champion/team:a.b-c_d"):
+        _validate_metric_name(check_metric_name(name))
+    assert check_metric_name("speedup@4") == "check_speedup_c4"

@@ -19,7 +19,8 @@ from conftest import REPO
 
 def _chat(i: int, time_s: float, prompt: str, reply: str = "ok", segment=None) -> dict:
     return {"id": f"r{i}", "time_s": time_s, "route": "chat", "segment": segment, "model_version": "1",
-            "messages": [{"role": "user", "content": prompt}], "completion_text": reply}
+            "messages": [{"role": "user", "content": prompt}], "prompt_token_ids": [1, 2, 3 + i],
+            "completion_text": reply}
 
 
 def _stored(tmp_path, records: list[dict]) -> list[dict]:
@@ -36,17 +37,22 @@ def test_the_newest_distinct_requests_are_held_out_and_a_repeated_prompt_is_kept
     records.insert(4, _chat(90, 200.0, "p3", reply="newer answer"))
     records.append({"id": "c1", "time_s": 150.0, "route": "completions", "prompt": "raw", "completion_text": "x"})
     records.append(_chat(91, 160.0, "empty reply", reply=""))
+    records.append({**_chat(92, 161.0, "no tokens"), "prompt_token_ids": []})
     records[0], records[5] = records[5], records[0]
     window = traffic_window(_stored(tmp_path, records), RefreshConfig(min_records=5, held_out_fraction=0.3))
 
-    assert window.records_read == 13 and window.duplicates == 1
-    assert window.skipped == {"completions route": 1, "empty completion": 1}
+    assert window.records_read == 14 and window.duplicates == 1
+    assert window.skipped == {"completions route": 1, "empty completion": 1, "no prompt tokens": 1}
     ordered = [c.id for c in window.used]
     assert ordered == ["traffic-r0", "traffic-r1", "traffic-r2", "traffic-r4", "traffic-r5", "traffic-r6", "traffic-r7",
                        "traffic-r8", "traffic-r9", "traffic-r90"]
     assert [c.id for c in window.held_out] == ["traffic-r8", "traffic-r9", "traffic-r90"]  # the newest 30%
     assert max(c.time_s for c in window.train) < min(c.time_s for c in window.held_out)
     assert window.held_out[-1].messages[-1] == {"role": "assistant", "content": "newer answer"}
+    assert window.held_out[1].as_bench_sample() == {
+        "id": "traffic-r9", "input_ids": [1, 2, 12], "loss_mask": [0, 0, 0], "segment": "code",
+        "messages": [{"role": "user", "content": "p9"}]}  # the prompt as served, under the client's segment
+    assert "segment" not in window.held_out[0].as_bench_sample()
     prompts = [c.messages[:-1] for c in window.used]
     assert len(prompts) == len({str(p) for p in prompts}), "a prompt both trained on and held out"
 

@@ -42,7 +42,7 @@ SEGMENTS = ("has-tools", "thinking-on", "thinking-off", "plain")
 class BenchPrompt:
     id: str
     input_ids: list[int]
-    segment: str = "plain"  # one of SEGMENTS: the bench reports accept length per segment
+    segment: str = "plain"  # one of SEGMENTS, or a sample's own (sample_segment): the bench reports accept length per segment
 
 
 def segment_of(tools: Optional[list], messages: list[dict], thinking: Optional[str]) -> str:
@@ -50,6 +50,12 @@ def segment_of(tools: Optional[list], messages: list[dict], thinking: Optional[s
     if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return "has-tools"
     return f"thinking-{thinking}" if thinking else "plain"
+
+
+def sample_segment(sample: dict) -> str:
+    """A bench sample's own `segment` when it has one (a refresh's held-out traffic: the client's tag), else its
+    kind of prompt (segment_of)."""
+    return sample.get("segment") or segment_of(sample.get("tools"), sample["messages"], sample.get("thinking"))
 
 
 def prompt_from_sample(sample: dict) -> list[int]:
@@ -157,8 +163,7 @@ def load_bench_prompts(cfg: DraftlineConfig, tokenizer, dataset_dir: Optional[Pa
         source = f"{cfg.bench.prompts} ({benchmark.path})"
     else:
         samples = load_split(dataset_dir, "bench")
-        prompts = [BenchPrompt(s["id"], prompt_from_sample(s), segment_of(s.get("tools"), s["messages"], s.get("thinking")))
-                   for s in samples[:limit]]
+        prompts = [BenchPrompt(s["id"], prompt_from_sample(s), sample_segment(s)) for s in samples[:limit]]
         source = f"{dataset_dir}/bench.jsonl"
     if not prompts:
         raise ValueError(f"no bench prompts in {source}; add prompts or raise data.split.bench_fraction")

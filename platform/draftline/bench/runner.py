@@ -12,7 +12,7 @@ Metrics (SGLang bench_serving's definitions):
                        over the load; its raw counters, own mean acceptance length (1 + accepted / drafts) and
                        per-position acceptance are in `engine_counters`
   accept_length_by_segment  the same per prompt segment (has-tools, thinking-on, thinking-off, plain;
-                       bench/prompts.py segment_of), with its prompt count: a drafter trained on one mode is
+                       bench/prompts.py segment_of; or a bench sample's own, sample_segment), with its prompt count: a drafter trained on one mode is
                        measured on each. Server-side counters are per load, so for vLLM this is from the streamed
                        per-request stats only (None where an engine gives none)
   speedup              tokens/s against the target-only engine at the same concurrency, over all rounds, as
@@ -179,10 +179,11 @@ class LoadRow:
 
 
 def accept_length_by_segment(requests: list[RequestResult]) -> dict[str, dict]:
-    """Per prompt segment present (has-tools, thinking-on, thinking-off, plain): accept length over its requests in
-    every round (output tokens / verify steps, as the whole row's) and how many prompts it holds."""
+    """Per prompt segment present (has-tools, thinking-on, thinking-off, plain, then a sample's own, by name): accept
+    length over its requests in every round (output tokens / verify steps, as the whole row's) and how many prompts
+    it holds."""
     by_segment: dict[str, dict] = {}
-    for segment in SEGMENTS:
+    for segment in [*SEGMENTS, *sorted({r.segment for r in requests} - set(SEGMENTS))]:
         chosen = [r for r in requests if r.segment == segment]
         if not chosen:
             continue

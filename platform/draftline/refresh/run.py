@@ -4,17 +4,18 @@
    `refresh.held_out_fraction` held out (refresh/window.py).
 2. data, under `<data_dir>/refresh/<window hash>/` (owner-only, like the store: these are user prompts): train.jsonl
    (the traffic trained on + `refresh.replay_ratio` conversations per traffic one from the original dataset's train
-   split), held_out.jsonl and the champion's draft vocab.
+   split), held_out.jsonl (the held-out conversations), held_out_bench/bench.jsonl (their prompts as served, each
+   under its client's segment tag) and the champion's draft vocab.
 3. prepare -> extract -> train: the pipeline's own stages (`run_pipeline(..., until="train")`) on a config derived
    from the user's (`refresh_config`): data.conversations the mix, data.draft_vocab_file the champion's vocab,
    data.held_out_benchmarks + held_out.jsonl (prepare drops any conversation too close to a held-out prompt),
    train.init_from the champion's export.
 4. the new version is tagged with the traffic window it saw (TrafficWindow.provenance) and its champion.
-5. gate against the champion, twice: on the held-out traffic (bench.prompts = held_out.jsonl, gate.* as configured),
-   then on the original bench set (bench.prompts, else the original dataset's bench split) with gate.champion_margin
-   = refresh.bench_champion_margin. Both hold the champion check in each prompt segment too, where the bench has
-   several (gate.champion_per_segment). The second runs only when the first passed, so the version's `gate` tag is
-   the verdict of both.
+5. gate against the champion, twice: on the held-out traffic (held_out_bench; gate.* as configured), then on the
+   original bench set (bench.prompts, else the original dataset's bench split) with gate.champion_margin =
+   refresh.bench_champion_margin. Both hold the champion check within each segment too (client segments on the
+   traffic, kinds of prompt on the bench set) where the bench has several (gate.champion_per_segment). The second
+   runs only when the first passed, so the version's `gate` tag is the verdict of both.
 6. both passed: `promote_and_roll` (serving rolls first, then the aliases move). Otherwise the champion stays.
 """
 
@@ -73,7 +74,8 @@ class RefreshRecord(StageRecord):
 class RefreshData:
     work_dir: Path
     train_file: Path
-    held_out_file: Path
+    held_out_file: Path  # conversations: prepare keeps anything close to them out of training
+    held_out_bench: Path  # a bench split of the held-out prompts as served, under their client segments
     vocab_file: Path
     replayed: int
 
@@ -124,12 +126,15 @@ def write_refresh_data(cfg: DraftlineConfig, window: TrafficWindow, original_dat
     train_file, held_out_file = work_dir / "train.jsonl", work_dir / "held_out.jsonl"
     _write_jsonl(train_file, [c.as_conversation() for c in window.train] + replay)
     _write_jsonl(held_out_file, [c.as_conversation() for c in window.held_out])
+    held_out_bench = work_dir / "held_out_bench"
+    ensure_private_dir(held_out_bench)
+    _write_jsonl(held_out_bench / "bench.jsonl", [c.as_bench_sample() for c in window.held_out])
     vocab_file = work_dir / "vocab.safetensors"
     champion_drafter = load_drafter(champion.export_dir)
     save_vocab(vocab_file, champion_drafter.d2t, champion_drafter.t2d)
     atomic_write_json(work_dir / "window.json", {**window.provenance(), "skipped": window.skipped,
                                                  "replayed_conversations": len(replay)})
-    return RefreshData(work_dir, train_file, held_out_file, vocab_file, len(replay))
+    return RefreshData(work_dir, train_file, held_out_file, held_out_bench, vocab_file, len(replay))
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -192,7 +197,8 @@ def refresh(cfg: DraftlineConfig, promote: bool = True) -> RefreshRecord:
             "refresh.replayed_conversations": str(data.replayed)}
     tag_version(cfg, result, tags)
 
-    traffic = _gate(cfg, result.model_version, "held-out traffic", {"bench.prompts": str(data.held_out_file)})
+    traffic = _gate(cfg, result.model_version, "held-out traffic", {"bench.prompts": None},
+                    dataset_dir=data.held_out_bench)
     bench = None
     if traffic.passed:
         bench = _gate(cfg, result.model_version, "original bench set",

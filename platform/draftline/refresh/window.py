@@ -25,10 +25,17 @@ class TrafficConversation:
     messages: list[dict]  # the request's messages and the served completion as the last (assistant) turn
     segment: Optional[str]  # the client's segment tag
     model_version: Optional[str]  # the version that answered
+    prompt_token_ids: list[int]  # the prompt as served: rendered by the target's chat template, tokenized
 
     def as_conversation(self) -> dict:
         """One line of an `openai` conversations file (data/conversations.py)."""
         return {"id": self.id, "messages": self.messages}
+
+    def as_bench_sample(self) -> dict:
+        """One line of a bench split (bench/prompts.py): the prompt as it was served, under the client's segment."""
+        sample = {"id": self.id, "input_ids": self.prompt_token_ids, "loss_mask": [0] * len(self.prompt_token_ids),
+                  "messages": self.messages[:-1]}
+        return {**sample, "segment": self.segment} if self.segment else sample
 
 
 @dataclass
@@ -72,10 +79,13 @@ def conversation_of(record: dict) -> tuple[Optional[TrafficConversation], Option
     reply = record.get("completion_text")
     if not isinstance(reply, str) or not reply:
         return None, "empty completion"
+    if not isinstance(record.get("prompt_token_ids"), list) or not record["prompt_token_ids"]:
+        return None, "no prompt tokens"
     messages = [dict(m) for m in record["messages"]] + [{"role": "assistant", "content": reply}]
     return TrafficConversation(
         id=f"traffic-{record['id']}", time_s=float(record["time_s"]), messages=messages,
         segment=record.get("segment"), model_version=record.get("model_version"),
+        prompt_token_ids=[int(t) for t in record["prompt_token_ids"]],
     ), None
 
 

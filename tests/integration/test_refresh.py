@@ -8,8 +8,10 @@ endpoint is covered by tests/integration/test_traffic.py.
 
 from __future__ import annotations
 
+import mlflow
 import pytest
 
+from draftline.bench.prompts import prompt_from_sample
 from draftline.data.prepare import load_split
 from draftline.drafter.export import load_drafter
 from draftline.refresh.run import refresh
@@ -22,6 +24,7 @@ from registry_helpers import mlflow_test_config, random_drafter, register_drafte
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRAFFIC_REQUESTS = 16
+SEGMENTS = ("team-a", "team-b")  # the clients' segment tags, alternating
 
 
 def _capture(directory, dataset_dir, count: int = TRAFFIC_REQUESTS) -> None:
@@ -29,8 +32,9 @@ def _capture(directory, dataset_dir, count: int = TRAFFIC_REQUESTS) -> None:
     writer = ShardWriter(directory, shard_bytes=4096, max_age_s=1e9, max_total_bytes=1 << 30)
     samples = [s for s in load_split(dataset_dir, "train") if s["messages"][-1]["role"] == "assistant"][:count]
     for i, sample in enumerate(samples):
-        writer.append([{"id": f"chatcmpl-{i}", "time_s": 1_800_000_000.0 + i, "route": "chat", "segment": "new-team",
-                        "model_version": "1", "messages": sample["messages"][:-1],
+        writer.append([{"id": f"chatcmpl-{i}", "time_s": 1_800_000_000.0 + i, "route": "chat",
+                        "segment": SEGMENTS[i % 2], "model_version": "1", "messages": sample["messages"][:-1],
+                        "prompt_token_ids": prompt_from_sample(sample),
                         "completion_text": sample["messages"][-1]["content"]}])
     writer.close()
 
@@ -79,7 +83,7 @@ def test_a_refresh_that_does_not_beat_the_champion_promotes_nothing(ray_cluster,
 def test_a_refresh_that_beats_the_champion_is_tagged_with_its_window_and_promoted(ray_cluster, tmp_path,
                                                                                   tiny_target_dir, tiny_dataset_dir):
     """The champion is a random drafter (almost every draft rejected); trained further on the traffic for 10 steps,
-    the candidate beats it by the margin on the held-out traffic, holds on the original
+    the candidate beats it by the margin on the held-out traffic, in each client segment too, holds on the original
     bench set, and becomes the champion."""
     cfg = _config(tmp_path, ["refresh.train_steps=10", "train.val_every=5", "train.checkpoint_every=5",
                              "gate.champion_margin=0.1"])
@@ -96,4 +100,9 @@ def test_a_refresh_that_beats_the_champion_is_tagged_with_its_window_and_promote
     assert tags["refresh.traffic_from_s"] == "1800000000.000"
     assert tags["refresh.traffic_to_s"] == f"{1_800_000_000.0 + TRAFFIC_REQUESTS - 1:.3f}"
     assert tags["refresh.held_out_from_s"] == f"{1_800_000_000.0 + TRAFFIC_REQUESTS - 4:.3f}"
-    assert tags["refresh.traffic_segments"] == "new-team"
+    assert tags["refresh.traffic_segments"] == "team-a,team-b"
+    gate_runs = mlflow.search_runs(experiment_names=[cfg.tracking.experiment], output_format="list",
+                                   filter_string=f"tags.model_version = '{record.version}' and tags.gate = 'passed'")
+    per_segment = [run.data.metrics for run in gate_runs if "check_champion/team-a" in run.data.metrics]
+    assert len(gate_runs) == 2 and len(per_segment) == 1  # the held-out traffic's gate checked each client segment
+    assert per_segment[0]["check_champion/team-a"] == per_segment[0]["check_champion/team-b"] == 1.0

@@ -2,7 +2,7 @@
 
 1. window: the traffic store's intact records -> one per distinct prompt, the newest `refresh.max_records`, the newest
    `refresh.held_out_fraction` held out (refresh/window.py).
-2. data, under `<data_dir>/refresh/<window hash>/` (owner-only, like the store: these are user prompts): train.jsonl
+2. data, under `<data_dir>/refresh/<window hash>-<champion>/` (owner-only, like the store: these are user prompts): train.jsonl
    (the traffic trained on + `refresh.replay_ratio` conversations per traffic one from the original dataset's train
    split), held_out.jsonl (the held-out conversations), held_out_bench/bench.jsonl (their prompts as served, each
    under its client's segment tag) and the champion's draft vocab.
@@ -42,7 +42,7 @@ from draftline.refresh.window import TrafficWindow, replay_sample, traffic_windo
 from draftline.target.load import resolve_target_dir
 from draftline.tracking import mlflow_client
 from draftline.train.run import TrainResult
-from draftline.utils import atomic_write_json, atomic_write_text
+from draftline.utils import atomic_write_json, atomic_write_text, stable_hash
 
 PRIVATE_FILE_MODE = 0o600
 
@@ -119,7 +119,9 @@ def _utc(seconds: float) -> str:
 
 def write_refresh_data(cfg: DraftlineConfig, window: TrafficWindow, original_dataset: Path,
                        champion: ResolvedVersion) -> RefreshData:
-    work_dir = cfg.data_path("refresh", window.window_hash())
+    # One directory per window and champion: the champion's vocab and the dataset built on it differ per champion.
+    champion_key = stable_hash(champion.name, champion.version, champion.source)[:8]
+    work_dir = cfg.data_path("refresh", f"{window.window_hash()}-{champion_key}")
     ensure_private_dir(work_dir)
     originals = [{k: s[k] for k in ("id", "messages", "tools") if k in s} for s in load_split(original_dataset, "train")]
     replay = replay_sample(originals, round(cfg.refresh.replay_ratio * len(window.train)), cfg.seed)

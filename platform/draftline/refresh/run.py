@@ -2,9 +2,9 @@
 
 1. window: the traffic store's intact records -> one per distinct prompt, the newest `refresh.max_records`, the newest
    `refresh.held_out_fraction` held out (refresh/window.py).
-2. data, under `<data_dir>/refresh/<window hash>-<champion>/` (owner-only, like the store: these are user prompts): train.jsonl
-   (the traffic trained on + `refresh.replay_ratio` conversations per traffic one from the original dataset's train
-   split), held_out.jsonl (the held-out conversations), held_out_bench/bench.jsonl (their prompts as served, each
+2. data, under `<data_dir>/refresh/<window hash>-<champion>/` (owner-only, like the store: these are user
+   prompts): train.jsonl (the traffic trained on + `refresh.replay_ratio` conversations per traffic one from the
+   original dataset's train split), held_out.jsonl (the held-out conversations), held_out_bench/bench.jsonl (their prompts as served, each
    under its client's segment tag) and the champion's draft vocab.
 3. prepare -> extract -> train: the pipeline's own stages (`run_pipeline(..., until="train")`) on a config derived
    from the user's (`refresh_config`): data.conversations the mix, data.draft_vocab_file the champion's vocab,

@@ -253,6 +253,8 @@ def training_hash(cfg: DraftlineConfig, inputs: TrainInputs) -> str:
     for not_affecting in ("max_failures", "log_every", "storage_uri", "start_timeout_s", "collective_timeout_s",
                           "attention", "packing", "packed_row_tokens"):
         train_section.pop(not_affecting)
+    if train_section["init_from"] is None:  # fresh weights: the hash training had before init_from existed
+        train_section.pop("init_from")
     return stable_hash(train_section, cfg.seed, inputs.target_fingerprint, inputs.dataset_hash, inputs.hidden_key)[:16]
 
 

@@ -11,7 +11,16 @@ import pytest
 
 from draftline.data.masks import end_of_turn_text, render, trained_spans
 from draftline.serving.chat_render import ChatRenderError, ChatTemplate
-from draftline.serving.openai_api import ApiError, RequestValidator, chat_traffic_fields, response_message
+from draftline.serving.openai_api import (
+    ApiError,
+    RequestValidator,
+    _Progress,
+    chat_finish_reason,
+    chat_traffic_fields,
+    response_message,
+    traffic_record,
+    whole_turn_choice,
+)
 from draftline.serving.openai_schema import ChatCompletionRequest
 from test_chat_templates import FAMILIES, TIME, WEATHER, _call, family_tokenizer
 
@@ -188,3 +197,28 @@ def test_the_ingress_answers_a_refused_chat_with_400_and_reads_turns_with_specia
     ids = tokenizer("a b", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert validator.turn_text(ids + ids, []) == tokenizer.decode(ids[:-1], skip_special_tokens=False)
     assert validator.turn_text(ids, ["b"]) == tokenizer.decode(ids[:-1])[: tokenizer.decode(ids[:-1]).find("b")]
+
+
+def test_a_qwen3_target_served_with_tools_answers_tool_calls_whole_and_streamed(tiny_cfg, tiny_target_dir):
+    """The ingress's path from the request body to the response message, with a Qwen3-layout tokenizer in place of
+    the tiny target's: the generated tokens of a call turn come back as tool_calls, finish_reason tool_calls."""
+    validator = RequestValidator(tiny_cfg)
+    validator.use_tokenizer(family_tokenizer("qwen3"))
+    tokenizer = validator.tokenizer
+    body = {"messages": [{"role": "user", "content": "weather in paris?"}], "tools": [WEATHER], "stream": True}
+    prepared = validator.prepare("chat", json.dumps(body).encode())
+    assert tokenizer.decode(prepared.prompt_ids) == prepared.chat.text and prepared.chat.segment == "has-tools"
+    turn = ('<think>\nask\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n'
+            "</tool_call><|im_end|>")
+    progress = _Progress(token_ids=tokenizer(turn, add_special_tokens=False)["input_ids"], finish_reason="stop")
+    reply = validator.chat_reply(prepared, progress)
+    message = response_message(reply).model_dump()
+    assert (message["content"], message["reasoning_content"]) == (None, "ask")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "paris"})]
+    assert chat_finish_reason(reply, "stop") == "tool_calls" and chat_finish_reason(reply, "length") == "length"
+    streamed = whole_turn_choice(reply, "stop")
+    assert streamed.finish_reason == "tool_calls" and [c.index for c in streamed.delta.tool_calls] == [0]
+    served = {"registered_model": "m", "model_version": "1", "backend": "reference"}
+    record = traffic_record(prepared, served, progress)
+    assert (record["prompt_segment"], record["tools"]) == ("has-tools", [WEATHER])

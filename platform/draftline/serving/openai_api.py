@@ -162,17 +162,21 @@ class RequestValidator:
 
         self._cfg = cfg
         target_dir = resolve_target_dir(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        # A tokenizer without a template (a base model) serves /v1/completions only.
-        self.chat_template = ChatTemplate(self.tokenizer) if self.tokenizer.chat_template else None
-        turn_ends = {self.tokenizer.eos_token, end_of_turn_text(self.tokenizer) if self.chat_template else None}
-        self._turn_ends = sorted(end for end in turn_ends if end)
+        self.use_tokenizer(AutoTokenizer.from_pretrained(target_dir))
         target_config = AutoConfig.from_pretrained(target_dir)
         self.context_tokens = int(target_config.max_position_embeddings)
         self.vocab_size = int(target_config.vocab_size)
         self.model_id = cfg.registered_model_name
         self._model_aliases = {self.model_id, cfg.target.name, f"models:/{self.model_id}@champion"}
         self.auth_token_sha256 = auth_token_sha256
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """The target's tokenizer and what its chat template does with tools and thinking."""
+        self.tokenizer = tokenizer
+        # A tokenizer without a template (a base model) serves /v1/completions only.
+        self.chat_template = ChatTemplate(tokenizer) if tokenizer.chat_template else None
+        turn_ends = {tokenizer.eos_token, end_of_turn_text(tokenizer) if self.chat_template else None}
+        self._turn_ends = sorted(end for end in turn_ends if end)
 
     def authorize(self, request: Request) -> None:
         if self.auth_token_sha256 is None:
@@ -381,6 +385,13 @@ def response_message(reply: ChatReply) -> ResponseMessage:
 def chat_finish_reason(reply: ChatReply, finish_reason: Optional[str]) -> Optional[str]:
     """OpenAI's "tool_calls" for a turn that ended with calls (a turn cut at the length limit stays "length")."""
     return "tool_calls" if reply.calls and finish_reason == "stop" else finish_reason
+
+
+def whole_turn_choice(reply: ChatReply, finish_reason: str) -> ChatChunkChoice:
+    """A streamed turn with tools, sent whole when it ends: its text and its calls in one delta."""
+    calls = [DeltaToolCall(index=k, **call.openai()) for k, call in enumerate(reply.calls or [])]
+    return ChatChunkChoice(delta=ChatDelta(content=reply.content, tool_calls=calls or None),
+                           finish_reason=chat_finish_reason(reply, finish_reason))
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT)
@@ -678,7 +689,8 @@ class Ingress:
             async for text, reason in self._generation(prepared, stream, first, started_s, progress):
                 if whole_turn:
                     if reason is not None:
-                        yield event(ChatCompletionChunk(**common, choices=[self._whole_turn(prepared, progress, reason)]))
+                        choice = whole_turn_choice(self._requests.chat_reply(prepared, progress), reason)
+                        yield event(ChatCompletionChunk(**common, choices=[choice]))
                 elif chat:
                     delta = ChatDelta(content=text) if text else ChatDelta()
                     choice = ChatChunkChoice(delta=delta, finish_reason=reason)
@@ -697,12 +709,6 @@ class Ingress:
             chunk_type = ChatCompletionChunk if chat else CompletionChunk
             yield event(chunk_type(**common, choices=[], usage=progress.usage(len(prepared.prompt_ids))))
         yield "data: [DONE]\n\n"
-
-    def _whole_turn(self, prepared: _Prepared, progress: _Progress, finish_reason: str) -> ChatChunkChoice:
-        reply = self._requests.chat_reply(prepared, progress)
-        calls = [DeltaToolCall(index=k, **call.openai()) for k, call in enumerate(reply.calls or [])]
-        return ChatChunkChoice(delta=ChatDelta(content=reply.content, tool_calls=calls or None),
-                               finish_reason=chat_finish_reason(reply, finish_reason))
 
     async def _any_replica_version(self) -> ServedVersion:
         try:

@@ -172,6 +172,43 @@ def test_bad_input_is_a_400_with_a_clear_message(served, auth):
     _assert_openai_error(wrong_type, 400, param="temperature")
 
 
+def test_tools_are_refused_by_a_template_without_them_and_chat_template_kwargs_reach_the_template(
+        served, auth, tiny_target_dir):
+    """The tiny target's template (draftline's own) has no tool support: tools are a 400 naming the field. A
+    chat_template_kwargs argument reaches the template (its bos_token, set empty) and the served answer is the
+    target's own greedy answer to that prompt (transformers' generate, target only): lossless."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg, url, _ = served
+    chat = f"{url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "What is a list?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    refused = httpx.post(chat, json={"messages": messages, "tools": tools}, headers=auth)
+    assert "no tool support" in _assert_openai_error(refused, 400, param="tools", code="tools_not_supported")["message"]
+    choice = httpx.post(chat, json={"messages": messages, "tools": tools, "tool_choice": "required"}, headers=auth)
+    assert '"auto"' in _assert_openai_error(choice, 400, param="tool_choice")["message"]
+    reserved = httpx.post(chat, json={"messages": messages, "chat_template_kwargs": {"tokenize": True}}, headers=auth)
+    _assert_openai_error(reserved, 400, param="chat_template_kwargs.tokenize")
+
+    response = openai_client(url).chat.completions.create(
+        model=cfg.registered_model_name, messages=messages, max_tokens=12, temperature=0,
+        extra_body={"chat_template_kwargs": {"bos_token": ""}})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, bos_token="", tokenize=True,
+                                        return_dict=False)
+    assert response.usage.prompt_tokens == len(ids) == len(tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)) - 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    generated = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                               attention_mask=torch.ones(1, len(ids)))[0, len(ids):].tolist()
+    if tokenizer.eos_token_id in generated:
+        generated = generated[: generated.index(tokenizer.eos_token_id)]
+    message = response.choices[0].message
+    assert message.content == tokenizer.decode(generated, skip_special_tokens=True)
+    assert message.tool_calls in (None, []) and response.choices[0].finish_reason in ("stop", "length")
+
+
 def test_hostile_input_gets_an_openai_error_and_never_stalls_the_server(served, auth):
     """Faults 3, 4, 11: a 10 MB body was tokenized on the event loop (16.5 s, /healthz 8.2 s meanwhile); seed >= 2^64
     returned a 500 with a Ray traceback; a lone surrogate or 50k-deep nesting gave plain-text 500s; `true` was read

@@ -36,8 +36,8 @@ def test_unknown_field_is_rejected_and_named():
 
 def test_unknown_field_inside_a_message_is_rejected():
     with pytest.raises(ValidationError) as info:
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]})
-    assert validation_error(info.value).param == "messages.0.tool_calls"
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi", "function_call": {}}]})
+    assert validation_error(info.value).param == "messages.0.function_call"
 
 
 def test_missing_and_invalid_values_name_the_field():

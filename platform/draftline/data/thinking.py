@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from draftline.data.masks import render
 from draftline.utils import stable_fraction
 
 # The template argument, found in the template's source: checked first to last.
@@ -43,3 +44,11 @@ def thinking_kwargs(tokenizer, mode: Optional[str]) -> dict:
 def check_thinking_switch(tokenizer, setting: Optional[str]) -> None:
     """Fail before any conversation is rendered when data.thinking is set and the template cannot honour it."""
     thinking_kwargs(tokenizer, "on" if setting else None)
+
+
+def thinks_by_default(tokenizer, switch: str) -> bool:
+    """Whether the template thinks when `switch` is not passed (Qwen3 does, DeepSeek-V3.1 does not): its generation
+    prompt without the argument is the one with the switch on."""
+    probe = [{"role": "user", "content": "probe"}]
+    default = render(tokenizer, probe, add_generation_prompt=True)
+    return default == render(tokenizer, probe, add_generation_prompt=True, template_kwargs={switch: True})

@@ -23,9 +23,11 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from draftline.config import DraftlineConfig
+from draftline.data.masks import end_of_turn_text
 from draftline.engines.base import TARGET_ONLY, SamplingParams, SpecStats
 from draftline.registry import gate_accept_length, mark_drift
 from draftline.serving.drift import Drift, DriftMonitor
+from draftline.serving.chat_render import ChatRenderError, ChatReply, ChatTemplate, RenderedChat
 from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.metrics import IngressMetrics, LiveAcceptMetrics
 from draftline.serving.openai_schema import (
@@ -35,6 +37,7 @@ from draftline.serving.openai_schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    DeltaToolCall,
     CompletionChoice,
     CompletionChunk,
     CompletionRequest,
@@ -44,6 +47,7 @@ from draftline.serving.openai_schema import (
     ModelCard,
     ModelList,
     ResponseMessage,
+    ResponseToolCall,
     ServedVersion,
     Usage,
     new_request_id,
@@ -131,6 +135,7 @@ class _Prepared:
     include_usage: bool
     prompt: Any = None  # chat: the messages as sent; completions: the prompt (text or token ids)
     segment: str = ""
+    chat: Optional[RenderedChat] = None  # chat: the rendering, and how the generated turn is read back
 
 
 @dataclass
@@ -157,13 +162,21 @@ class RequestValidator:
 
         self._cfg = cfg
         target_dir = resolve_target_dir(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.use_tokenizer(AutoTokenizer.from_pretrained(target_dir))
         target_config = AutoConfig.from_pretrained(target_dir)
         self.context_tokens = int(target_config.max_position_embeddings)
         self.vocab_size = int(target_config.vocab_size)
         self.model_id = cfg.registered_model_name
         self._model_aliases = {self.model_id, cfg.target.name, f"models:/{self.model_id}@champion"}
         self.auth_token_sha256 = auth_token_sha256
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """The target's tokenizer and what its chat template does with tools and thinking."""
+        self.tokenizer = tokenizer
+        # A tokenizer without a template (a base model) serves /v1/completions only.
+        self.chat_template = ChatTemplate(tokenizer) if tokenizer.chat_template else None
+        turn_ends = {tokenizer.eos_token, end_of_turn_text(tokenizer) if self.chat_template else None}
+        self._turn_ends = sorted(end for end in turn_ends if end)
 
     def authorize(self, request: Request) -> None:
         if self.auth_token_sha256 is None:
@@ -199,7 +212,8 @@ class RequestValidator:
         if len(stop_strings) > MAX_STOP_STRINGS:
             raise ApiError(400, f"'stop' has {len(stop_strings)} strings; at most {MAX_STOP_STRINGS} are allowed",
                            param="stop")
-        prompt_ids = self._prompt_ids(req)
+        chat = self._render_chat(req) if isinstance(req, ChatCompletionRequest) else None
+        prompt_ids = self._prompt_ids(req, chat)
         max_new_tokens = self._max_new_tokens(req, len(prompt_ids), route)
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -212,7 +226,31 @@ class RequestValidator:
         prefix = "chatcmpl" if route == "chat" else "cmpl"
         prompt = [m.model_dump(exclude_none=True) for m in req.messages] if route == "chat" else req.prompt
         return _Prepared(route, new_request_id(prefix), prompt_ids, params, stop_strings, req.stream, include_usage,
-                         prompt)
+                         prompt, chat=chat)
+
+    def _render_chat(self, req: ChatCompletionRequest) -> RenderedChat:
+        if self.chat_template is None:
+            raise ApiError(400, "the target's tokenizer has no chat template (a base model): send a prompt to "
+                                "/v1/completions instead", param="messages", code="no_chat_template")
+        try:
+            return self.chat_template.render(req)
+        except ChatRenderError as err:
+            raise ApiError(400, err.message, param=err.param, code=err.code) from None
+
+    def turn_text(self, token_ids: list[int], stop_strings: list[str]) -> str:
+        """The generated turn as text with special tokens kept (DeepSeek's and Kimi's call markers are special
+        tokens), cut at the end of turn and at a stop string: what a chat reply is read back from."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        cuts = [at for at in (text.find(end) for end in self._turn_ends + stop_strings) if at >= 0]
+        return text[: min(cuts)] if cuts else text
+
+    def chat_reply(self, prepared: _Prepared, progress: "_Progress") -> ChatReply:
+        """The reply of a finished chat request: its text as the client got it, or, when tools or thinking ask for
+        it, read back into content, reasoning and tool calls."""
+        chat = prepared.chat
+        if chat is None or (chat.call_format is None and not chat.thinking):
+            return ChatReply("".join(progress.text))
+        return self.chat_template.reply(chat, self.turn_text(progress.token_ids, prepared.stop_strings))
 
     def segment(self, request: Request) -> str:
         """The client's segment tag (header serve.traffic.segment_header), or "" when not sent."""
@@ -228,21 +266,22 @@ class RequestValidator:
         return ApiError(413, f"request body is {size_bytes} bytes; this endpoint accepts at most {limit} "
                              "(serve.max_request_bytes): shorten the prompt")
 
-    def _prompt_ids(self, req: Union[ChatCompletionRequest, CompletionRequest]) -> list[int]:
+    def _prompt_ids(self, req: Union[ChatCompletionRequest, CompletionRequest], chat: Optional[RenderedChat]) -> list[int]:
         try:
-            return self._tokenize(req)
-        except UnicodeEncodeError as err:  # a lone surrogate such as "\ud800" is valid JSON but not text
-            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-            raise ApiError(400, f"the {param} holds an unpaired UTF-16 surrogate ({err.object[err.start:err.end]!r}); "
-                                "send valid Unicode text", param=param) from None
+            return self._tokenize(req, chat)
+        except UnicodeEncodeError as err:
+            raise self._surrogate(err, "messages" if isinstance(req, ChatCompletionRequest) else "prompt") from None
 
-    def _tokenize(self, req: Union[ChatCompletionRequest, CompletionRequest]) -> list[int]:
-        if isinstance(req, ChatCompletionRequest):
-            for message in req.messages:
-                message.content.encode("utf-8")
-            messages = [message.model_dump(exclude_none=True) for message in req.messages]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    @staticmethod
+    def _surrogate(err: UnicodeEncodeError, param: str) -> ApiError:
+        """A lone surrogate such as "\ud800" is valid JSON but not text."""
+        return ApiError(400, f"the {param} holds an unpaired UTF-16 surrogate ({err.object[err.start:err.end]!r}); "
+                             "send valid Unicode text", param=param)
+
+    def _tokenize(self, req: Union[ChatCompletionRequest, CompletionRequest], chat: Optional[RenderedChat]) -> list[int]:
+        if chat is not None:
+            chat.text.encode("utf-8")
+            ids = self.tokenizer(chat.text, add_special_tokens=False)["input_ids"]
         elif isinstance(req.prompt, str):
             req.prompt.encode("utf-8")
             ids = self.tokenizer(req.prompt)["input_ids"]
@@ -317,6 +356,7 @@ def traffic_record(prepared: _Prepared, served: dict, progress: _Progress) -> di
         "model_version": served["model_version"],
         "backend": served.get("backend"),
         "messages" if prepared.route == "chat" else "prompt": prepared.prompt,
+        **(chat_traffic_fields(prepared.chat) if prepared.chat is not None else {}),
         "prompt_token_ids": prepared.prompt_ids,
         "completion_token_ids": progress.token_ids,
         "completion_text": "".join(progress.text),
@@ -325,6 +365,33 @@ def traffic_record(prepared: _Prepared, served: dict, progress: _Progress) -> di
                      "top_p": prepared.params.top_p, "seed": prepared.params.seed, "stop": prepared.stop_strings},
         "spec": None if stats is None else {**asdict(stats), "accept_length": round(stats.accept_length, 4)},
     }
+
+
+def chat_traffic_fields(chat: RenderedChat) -> dict:
+    """A chat record's tools and template arguments (what its prompt was rendered with) and its prompt segment."""
+    fields: dict[str, Any] = {"prompt_segment": chat.segment}
+    if chat.tools:
+        fields["tools"] = chat.tools
+    if chat.template_kwargs:
+        fields["chat_template_kwargs"] = chat.template_kwargs
+    return fields
+
+
+def response_message(reply: ChatReply) -> ResponseMessage:
+    calls = [ResponseToolCall(**call.openai()) for call in reply.calls or []]
+    return ResponseMessage(content=reply.content, reasoning_content=reply.reasoning, tool_calls=calls)
+
+
+def chat_finish_reason(reply: ChatReply, finish_reason: Optional[str]) -> Optional[str]:
+    """OpenAI's "tool_calls" for a turn that ended with calls (a turn cut at the length limit stays "length")."""
+    return "tool_calls" if reply.calls and finish_reason == "stop" else finish_reason
+
+
+def whole_turn_choice(reply: ChatReply, finish_reason: str) -> ChatChunkChoice:
+    """A streamed turn with tools, sent whole when it ends: its text and its calls in one delta."""
+    calls = [DeltaToolCall(index=k, **call.openai()) for k, call in enumerate(reply.calls or [])]
+    return ChatChunkChoice(delta=ChatDelta(content=reply.content, tool_calls=calls or None),
+                           finish_reason=chat_finish_reason(reply, finish_reason))
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT)
@@ -599,7 +666,8 @@ class Ingress:
         common = self._common(prepared, first["served"])
         text = "".join(pieces)
         if prepared.route == "chat":
-            choice = ChatChoice(message=ResponseMessage(content=text), finish_reason=finish_reason)
+            reply = self._requests.chat_reply(prepared, progress)
+            choice = ChatChoice(message=response_message(reply), finish_reason=chat_finish_reason(reply, finish_reason))
             return ChatCompletionResponse(**common, choices=[choice], usage=usage).model_dump()
         choice = CompletionChoice(text=text, finish_reason=finish_reason)
         return CompletionResponse(**common, choices=[choice], usage=usage).model_dump()
@@ -614,9 +682,16 @@ class Ingress:
 
         if chat:
             yield event(ChatCompletionChunk(**common, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant"))]))
+        # With tools, the turn is sent whole when it ends, its calls read back into tool_calls (calls are not
+        # streamed piece by piece).
+        whole_turn = chat and prepared.chat is not None and prepared.chat.call_format is not None
         try:
             async for text, reason in self._generation(prepared, stream, first, started_s, progress):
-                if chat:
+                if whole_turn:
+                    if reason is not None:
+                        choice = whole_turn_choice(self._requests.chat_reply(prepared, progress), reason)
+                        yield event(ChatCompletionChunk(**common, choices=[choice]))
+                elif chat:
                     delta = ChatDelta(content=text) if text else ChatDelta()
                     choice = ChatChunkChoice(delta=delta, finish_reason=reason)
                     yield event(ChatCompletionChunk(**common, choices=[choice]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,10 +23,36 @@ class StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class FunctionCall(StrictRequest):
+    name: str
+    arguments: str = Field(description="a JSON object, as a string (OpenAI's form)")
+
+
+class ToolCall(StrictRequest):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictRequest):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Optional[str] = Field(None, description="required except on an assistant turn with tool_calls")
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="assistant turns only")
+    tool_call_id: Optional[str] = Field(None, description="tool results only: the call it answers")
+    reasoning_content: Optional[str] = Field(None, description="assistant turns: thinking the template may render")
+
+
+class FunctionDefinition(StrictRequest):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class StreamOptions(StrictRequest):
@@ -57,6 +83,12 @@ class _SamplingFields(StrictRequest):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, description="OpenAI's newer name for max_tokens")
+    tools: Optional[list[Tool]] = None
+    # Any JSON here: the ingress answers an unsupported choice with a 400 that says what is supported.
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description='"auto" (the default) or "none"')
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extra arguments for the target's chat template (vLLM's and SGLang's field), e.g. "
+                          '{"enable_thinking": false}')
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -103,9 +135,22 @@ class Usage(BaseModel):
         )
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    reasoning_content: Optional[str] = None
 
 
 class ChatChoice(BaseModel):
@@ -141,9 +186,14 @@ class CompletionResponse(_ResponseBase):
     usage: Usage
 
 
+class DeltaToolCall(ResponseToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -48,6 +48,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
+from draftline.config import SpeculativeConfig
 from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version
 from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
 from draftline.target.aux_layers import AuxLayerIdError, capture_ids_from_written, family_of
@@ -234,14 +235,13 @@ class MeasuredChain:
     on its registry version): the fixes propose these rather than a chain length read off the command, whose number
     says nothing of how many drafted tokens this drafter gets accepted."""
 
-    num_steps: int
-    eagle_topk: int
-    num_draft_tokens: int
+    speculative: SpeculativeConfig
     source: str  # where the figures come from, shown after the flags
 
     def flags(self) -> str:
-        return (f"--speculative-num-steps {self.num_steps} --speculative-eagle-topk {self.eagle_topk} "
-                f"--speculative-num-draft-tokens {self.num_draft_tokens}")
+        spec = self.speculative
+        return (f"--speculative-num-steps {spec.num_steps} --speculative-eagle-topk {spec.eagle_topk} "
+                f"--speculative-num-draft-tokens {spec.num_draft_tokens}")
 
     def proposal(self) -> str:
         return f"{self.flags()} ({self.source})"

@@ -191,8 +191,9 @@ def gate_accept_length(cfg: DraftlineConfig, version: str, concurrency: int) -> 
 def mark_drift(cfg: DraftlineConfig, version: str, detail: dict) -> None:
     """Tag a version `drift=yes` with what was measured (`drift_detail`, JSON)."""
     client = mlflow_client(cfg)
-    client.set_model_version_tag(cfg.registered_model_name, version, DRIFT_TAG, DRIFT_YES)
+    # The detail first: whoever sees drift=yes (two separate writes) finds what was measured beside it.
     client.set_model_version_tag(cfg.registered_model_name, version, DRIFT_DETAIL_TAG, json.dumps(detail, sort_keys=True))
+    client.set_model_version_tag(cfg.registered_model_name, version, DRIFT_TAG, DRIFT_YES)
 
 
 def latest_version(cfg: DraftlineConfig) -> str:

@@ -16,6 +16,7 @@ from draftline.serving.openai_api import (
     INGRESS_DEPLOYMENT,
     ApiError,
     RequestValidator,
+    _Progress,
     StopMatcher,
     replica_died,
     token_hash,
@@ -64,6 +65,17 @@ def test_usage_carries_speculative_stats():
     assert usage.total_tokens == 19
     assert usage.spec_accept_length == pytest.approx(2.25)
     assert usage.spec_verify_steps == 4 and usage.spec_accepted_draft_tokens == 5
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_request_keeps_its_tokens_and_text_only_for_traffic_capture(capture):
+    """With serve.traffic off nobody reads a request's token ids or text, so they are counted, not held."""
+    progress = _Progress(capture=capture)
+    progress.add_tokens([5, 6])
+    progress.add_text("hi")
+    progress.add_tokens([7])
+    assert progress.completion_tokens == 3
+    assert (progress.token_ids, progress.text) == (([5, 6, 7], ["hi"]) if capture else ([], []))
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.config import load_config
+from draftline.config import SpeculativeConfig, load_config
 from draftline.engines.sglang.args import flag_table_for, read_argv
 from draftline.engines.sglang.launch import build_launch_argv
 from draftline.engines.sglang.preflight import MeasuredChain, PreflightError, has_errors, preflight, preflight_report
@@ -411,7 +411,7 @@ def test_build_launch_argv_validates_extra_args():
         build_launch_argv(cfg, "org/target", "org/draft")
 
 
-MEASURED = MeasuredChain(4, 1, 5, "measured fastest for model m version 3 at concurrency 1 by `draftline bench --sweep`")
+MEASURED = MeasuredChain(SpeculativeConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5), "measured fastest for model m version 3 at concurrency 1 by `draftline bench --sweep`")
 
 
 @pytest.mark.parametrize("written", [["--speculative-num-draft-tokens", "16"], ["--num-speculative-tokens", "16"],

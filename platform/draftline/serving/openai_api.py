@@ -140,11 +140,21 @@ class _Prepared:
 
 @dataclass
 class _Progress:
+    capture: bool = False  # keep token_ids and text for the traffic store (serve.traffic on); else only count
     completion_tokens: int = 0
     stats: Optional[SpecStats] = None
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)  # what the client got (cut at a stop string)
     finish_reason: Optional[str] = None  # set once generation ended normally
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        self.completion_tokens += len(token_ids)
+        if self.capture:
+            self.token_ids.extend(token_ids)
+
+    def add_text(self, text: str) -> None:
+        if self.capture:
+            self.text.append(text)
 
     def usage(self, prompt_tokens: int) -> Usage:
         return Usage.from_stats(prompt_tokens, self.completion_tokens, self.stats)
@@ -554,25 +564,24 @@ class Ingress:
             async for chunk in self._chunks(stream, first):
                 if chunk["token_ids"] and first_token_s is None:
                     first_token_s = time.perf_counter() - started_s
-                progress.completion_tokens += len(chunk["token_ids"])
-                progress.token_ids.extend(chunk["token_ids"])
+                progress.add_tokens(chunk["token_ids"])
                 if chunk["stats"] is not None:
                     progress.stats = SpecStats(**chunk["stats"])
                 text = stop.feed(chunk["text"])
                 if stop.stopped:
                     stream.cancel()
-                    progress.text.append(text)
+                    progress.add_text(text)
                     progress.finish_reason = "stop"
                     yield text, "stop"
                     return
                 if chunk["finished"]:
                     text += stop.flush()
-                    progress.text.append(text)
+                    progress.add_text(text)
                     progress.finish_reason = chunk["finish_reason"] or "stop"
                     yield text, progress.finish_reason
                     return
                 if text:
-                    progress.text.append(text)
+                    progress.add_text(text)
                     yield text, None
         finally:
             total_s = time.perf_counter() - started_s
@@ -656,7 +665,7 @@ class Ingress:
         }
 
     async def _collect(self, prepared: _Prepared, stream: Any, first: dict, started_s: float) -> dict:
-        progress = _Progress()
+        progress = _Progress(capture=self._traffic is not None)
         pieces: list[str] = []
         finish_reason: Optional[str] = None
         async for text, reason in self._generation(prepared, stream, first, started_s, progress):
@@ -674,7 +683,7 @@ class Ingress:
 
     async def _sse(self, prepared: _Prepared, stream: Any, first: dict, started_s: float) -> AsyncIterator[str]:
         common = self._common(prepared, first["served"])
-        progress = _Progress()
+        progress = _Progress(capture=self._traffic is not None)
         chat = prepared.route == "chat"
 
         def event(model: BaseModel) -> str:

@@ -18,7 +18,6 @@ import json
 import shlex
 import sys
 from dataclasses import asdict
-
 from typing import Optional
 
 from draftline.cli import DEFAULT_CONFIG, add_config_args, config_from_args
@@ -95,13 +94,7 @@ def measured_chain(cfg: DraftlineConfig, resolved: ResolvedVersion, concurrency:
         return None
     source = (f"measured fastest for model {resolved.name} version {resolved.version} at concurrency {level} "
               "by `draftline bench --sweep`")
-    return MeasuredChain(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, source)
-
-
-def with_chain(cfg: DraftlineConfig, chain: MeasuredChain) -> DraftlineConfig:
-    spec = cfg.engine.speculative.model_copy(
-        update={"num_steps": chain.num_steps, "eagle_topk": chain.eagle_topk, "num_draft_tokens": chain.num_draft_tokens})
-    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"speculative": spec})})
+    return MeasuredChain(spec, source)
 
 
 def _target_path(cfg, explicit: str | None) -> str:
@@ -123,8 +116,9 @@ def run_sglang_command(args: argparse.Namespace) -> int:
         draft_model_path = str(resolved.export_dir)
         chain = measured_chain(cfg, resolved, args.concurrency)
         if chain is not None:
-            cfg = with_chain(cfg, chain)
-            print(f"note: speculative settings {chain.num_steps}/{chain.eagle_topk}/{chain.num_draft_tokens} "
+            spec = chain.speculative
+            cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"speculative": spec})})
+            print(f"note: speculative settings {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens} "
                   f"{chain.source}", file=sys.stderr)
     if cfg.engine.speculative.algorithm and not draft_model_path:
         raise ConfigError(

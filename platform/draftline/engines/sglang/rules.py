@@ -48,6 +48,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
+from draftline.config import SpeculativeConfig
 from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version
 from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
 from draftline.target.aux_layers import AuxLayerIdError, capture_ids_from_written, family_of
@@ -228,23 +229,23 @@ VLLM_METHODS = {
 }
 
 
+def chain_flags(steps: int | str, topk: int, draft_tokens: int | str) -> str:
+    """SGLang's three speculative chain flags (numbers, or placeholders such as "N" and "N+1")."""
+    return f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {draft_tokens}"
+
+
 @dataclass(frozen=True)
 class MeasuredChain:
     """The speculative settings measured fastest for the drafter being launched (a `draftline bench --sweep` stored
     on its registry version): the fixes propose these rather than a chain length read off the command, whose number
     says nothing of how many drafted tokens this drafter gets accepted."""
 
-    num_steps: int
-    eagle_topk: int
-    num_draft_tokens: int
+    speculative: SpeculativeConfig
     source: str  # where the figures come from, shown after the flags
 
-    def flags(self) -> str:
-        return (f"--speculative-num-steps {self.num_steps} --speculative-eagle-topk {self.eagle_topk} "
-                f"--speculative-num-draft-tokens {self.num_draft_tokens}")
-
     def proposal(self) -> str:
-        return f"{self.flags()} ({self.source})"
+        spec = self.speculative
+        return f"{chain_flags(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)} ({self.source})"
 
 
 @dataclass
@@ -328,14 +329,12 @@ def _num_speculative_tokens_fix(item: ArgvItem, measured: Optional[MeasuredChain
         n = int(item.values[0]) if item.values else None
     except ValueError:
         n = None
-    if n is None:
-        return "--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1"
-    return f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
+    return chain_flags("N", 1, "N+1") if n is None else chain_flags(n, 1, n + 1)
 
 
 def _speculative_config_fix(item: ArgvItem, measured: Optional[MeasuredChain]) -> tuple[str, str]:
     """(what the JSON meant, the fix) for vLLM's --speculative-config."""
-    chain = measured.proposal() if measured else "--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1"
+    chain = measured.proposal() if measured else chain_flags("N", 1, "N+1")
     generic = f"write SGLang flags instead: --speculative-algorithm EAGLE3 --speculative-draft-model-path DIR {chain}"
     try:
         config = json.loads(item.values[0]) if item.values else None
@@ -356,7 +355,7 @@ def _speculative_config_fix(item: ArgvItem, measured: Optional[MeasuredChain]) -
     if measured is not None:
         flags.append(measured.proposal())
     elif isinstance(n, int):
-        flags += ["--speculative-num-steps", str(n), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(n + 1)]
+        flags.append(chain_flags(n, 1, n + 1))
     ignored = sorted(set(config) - {"method", "model", "num_speculative_tokens"})
     note = f"; keys with no direct SGLang flag: {', '.join(ignored)}" if ignored else ""
     return f"it holds {json.dumps(config)}{note}", ("replace it with " + " ".join(flags)) if flags else generic
@@ -570,7 +569,7 @@ def check_partial_triple(ctx: Context) -> Iterator[Finding]:
     elif ndt is not None and topk in (None, 1):
         steps = max(ndt - 1, 1)
         fix = (
-            f"add --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1} "
+            f"add {chain_flags(steps, 1, steps + 1)} "
             f"(a chain of {steps} draft tokens), or remove {', '.join(ctx.opt(d) for d in given)} to let SGLang choose all three"
         )
     else:
@@ -876,7 +875,7 @@ def check_auto_params(ctx: Context) -> Iterator[Finding]:
         "auto-speculative-params", ["--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"],
         f"no (num_steps, eagle_topk, num_draft_tokens) given: SGLang {ctx.version} chooses {chosen}; the choice for "
         "non-Llama targets changed from (5, 4, 8) to (3, 1, 4) in 0.5.23, so benchmarks are not comparable across versions.",
-        "pass all three explicitly, e.g. --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+        f"pass all three explicitly, e.g. {chain_flags(3, 1, 4)}",
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from draftline.serving.openai_api import (
     ApiError,
     RequestValidator,
     _Progress,
+    reads_back,
     chat_finish_reason,
     chat_traffic_fields,
     response_message,
@@ -211,7 +212,8 @@ def test_a_qwen3_target_served_with_tools_answers_tool_calls_whole_and_streamed(
     turn = ('<think>\nask\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n'
             "</tool_call><|im_end|>")
     progress = _Progress(token_ids=tokenizer(turn, add_special_tokens=False)["input_ids"], finish_reason="stop")
-    reply = validator.chat_reply(prepared, progress)
+    assert reads_back(prepared)  # so its tokens are kept with serve.traffic off too
+    reply = validator.chat_reply(prepared, progress, "")
     message = response_message(reply).model_dump()
     assert (message["content"], message["reasoning_content"]) == (None, "ask")
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [

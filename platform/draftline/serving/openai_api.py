@@ -138,9 +138,16 @@ class _Prepared:
     chat: Optional[RenderedChat] = None  # chat: the rendering, and how the generated turn is read back
 
 
+def reads_back(prepared: _Prepared) -> bool:
+    """A chat reply read back from its tokens into tool calls or reasoning (else its text is the reply)."""
+    return prepared.chat is not None and (prepared.chat.call_format is not None or prepared.chat.thinking)
+
+
 @dataclass
 class _Progress:
-    capture: bool = False  # keep token_ids and text for the traffic store (serve.traffic on); else only count
+    # Keep token_ids and text when something reads them once the turn ended (the traffic store, a reply read back
+    # into tool calls or reasoning); else only count.
+    capture: bool = False
     completion_tokens: int = 0
     stats: Optional[SpecStats] = None
     token_ids: list[int] = field(default_factory=list)
@@ -254,13 +261,12 @@ class RequestValidator:
         cuts = [at for at in (text.find(end) for end in self._turn_ends + stop_strings) if at >= 0]
         return text[: min(cuts)] if cuts else text
 
-    def chat_reply(self, prepared: _Prepared, progress: "_Progress") -> ChatReply:
-        """The reply of a finished chat request: its text as the client got it, or, when tools or thinking ask for
-        it, read back into content, reasoning and tool calls."""
-        chat = prepared.chat
-        if chat is None or (chat.call_format is None and not chat.thinking):
-            return ChatReply("".join(progress.text))
-        return self.chat_template.reply(chat, self.turn_text(progress.token_ids, prepared.stop_strings))
+    def chat_reply(self, prepared: _Prepared, progress: "_Progress", text: str) -> ChatReply:
+        """The reply of a finished chat request: `text` as the client got it, or, when tools or thinking ask for
+        it, the turn's tokens read back into content, reasoning and tool calls."""
+        if not reads_back(prepared):
+            return ChatReply(text)
+        return self.chat_template.reply(prepared.chat, self.turn_text(progress.token_ids, prepared.stop_strings))
 
     def segment(self, request: Request) -> str:
         """The client's segment tag (header serve.traffic.segment_header), or "" when not sent."""
@@ -665,7 +671,7 @@ class Ingress:
         }
 
     async def _collect(self, prepared: _Prepared, stream: Any, first: dict, started_s: float) -> dict:
-        progress = _Progress(capture=self._traffic is not None)
+        progress = _Progress(capture=self._traffic is not None or reads_back(prepared))
         pieces: list[str] = []
         finish_reason: Optional[str] = None
         async for text, reason in self._generation(prepared, stream, first, started_s, progress):
@@ -675,7 +681,7 @@ class Ingress:
         common = self._common(prepared, first["served"])
         text = "".join(pieces)
         if prepared.route == "chat":
-            reply = self._requests.chat_reply(prepared, progress)
+            reply = self._requests.chat_reply(prepared, progress, text)
             choice = ChatChoice(message=response_message(reply), finish_reason=chat_finish_reason(reply, finish_reason))
             return ChatCompletionResponse(**common, choices=[choice], usage=usage).model_dump()
         choice = CompletionChoice(text=text, finish_reason=finish_reason)
@@ -683,7 +689,7 @@ class Ingress:
 
     async def _sse(self, prepared: _Prepared, stream: Any, first: dict, started_s: float) -> AsyncIterator[str]:
         common = self._common(prepared, first["served"])
-        progress = _Progress(capture=self._traffic is not None)
+        progress = _Progress(capture=self._traffic is not None or reads_back(prepared))
         chat = prepared.route == "chat"
 
         def event(model: BaseModel) -> str:
@@ -698,7 +704,7 @@ class Ingress:
             async for text, reason in self._generation(prepared, stream, first, started_s, progress):
                 if whole_turn:
                     if reason is not None:
-                        choice = whole_turn_choice(self._requests.chat_reply(prepared, progress), reason)
+                        choice = whole_turn_choice(self._requests.chat_reply(prepared, progress, ""), reason)
                         yield event(ChatCompletionChunk(**common, choices=[choice]))
                 elif chat:
                     delta = ChatDelta(content=text) if text else ChatDelta()

@@ -122,7 +122,7 @@ def train_specforge(args, features: Path, draft_config: Path, target_dir: Path, 
     overlay = PEERS_ROOT / "specforge"
     if not (overlay / ".installed").is_file():
         raise FileNotFoundError(f"{overlay} is not built: run `make peers` (scripts/setup_peer_envs.sh)")
-    env = {**os.environ, "PYTHONPATH": str(overlay), "TORCHDYNAMO_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(overlay), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, str(REPO / "benchmarks" / "specforge_train.py"), "--train-features", str(features / "train"),
             "--val-features", str(features / "val"), "--draft-config", str(draft_config), "--target-dir",
             str(target_dir), "--out", str(out), "--steps", str(args.steps), "--batch-size", str(args.batch_size),

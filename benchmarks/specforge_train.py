@@ -204,17 +204,19 @@ def main() -> int:
     parser.add_argument("--ttt-length", type=int, default=3)
     parser.add_argument("--ploss-decay", type=float, default=0.8)
     parser.add_argument("--max-len", type=int, default=384)
-    parser.add_argument("--draft-vocab-size", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (draftline's curve: 1 CPU per worker)")
     parser.add_argument("--val-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     use_reference_loss()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     train_files, val_files = list_feature_files(args.train_features), list_feature_files(args.val_features)
     target_vocab = int(json.loads((Path(args.target_dir) / "config.json").read_text())["vocab_size"])
-    vocab_mapping = generate_vocab_mapping_file(TokenColumns(train_files), target_vocab, args.draft_vocab_size,
+    draft_vocab = int(json.loads(Path(args.draft_config).read_text())["draft_vocab_size"])
+    vocab_mapping = generate_vocab_mapping_file(TokenColumns(train_files), target_vocab, draft_vocab,
                                                 cache_dir=str(args.out), cache_key="vocab_mapping")  # fmt: skip
     model, strategy = build(args, vocab_mapping)
     optimizer = BF16Optimizer(model, lr=args.lr, max_grad_norm=args.grad_clip, total_steps=args.steps,

@@ -23,8 +23,11 @@ python_bin="${DRAFTLINE_PYTHON:-$repo/.venv/bin/python}"
 # by speculators/models/eagle3/data.py through speculators/train/data.py, loguru by its converter.
 speculators=(speculators==0.9.0 transformers==5.19.0 datasets==5.1.0 dill==0.4.1 fsspec==2026.7.0
     multiprocess==0.70.19 xxhash==4.1.0 hs-connectors==0.9.0 loguru==0.7.3)
-# specforge==0.2.0 pins transformers==5.8.1, which needs an older huggingface_hub and tokenizers than .venv's.
-specforge=(specforge==0.2.0 transformers==5.8.1 huggingface_hub==1.33.0 tokenizers==0.22.2)
+# specforge==0.2.0 pins transformers==5.8.1, which needs an older huggingface_hub and tokenizers than .venv's;
+# datasets (and what pip adds for it, speculators' pins) is imported by its data code (specforge/data/preprocessing.py,
+# whose vocab mapping benchmarks/specforge_train.py uses).
+specforge=(specforge==0.2.0 transformers==5.8.1 huggingface_hub==1.33.0 tokenizers==0.22.2 datasets==5.1.0 dill==0.4.1
+    fsspec==2026.7.0 multiprocess==0.70.19 xxhash==4.1.0)
 
 install() {
     local name="$1"; shift

@@ -59,18 +59,13 @@ def run_arm(args, name: str, overrides: list[str], round_index: int, scratch: Pa
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "platform"), env.get("PYTHONPATH", "")) if p)
     load_before = os.getloadavg()
-    cpu_before = os.times()
     started = time.perf_counter()
     with open(scratch / f"{name}-r{round_index}.log", "w") as log:
         proc = subprocess.run(train_command(args, data_dir, overrides), env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=args.timeout_s)
     wall_s = time.perf_counter() - started
-    cpu_after = os.times()
     row = {
         "arm": name, "round": round_index, "overrides": overrides, "wall_s": round(wall_s, 1),
-        # The command and every process it started and reaped (its Ray cluster's included).
-        "command_cpu_s": round(cpu_after.children_user + cpu_after.children_system
-                               - cpu_before.children_user - cpu_before.children_system, 1),
         "load_avg_start": [round(x, 1) for x in load_before], "load_avg_end": [round(x, 1) for x in os.getloadavg()],
     }
     if proc.returncode != 0:

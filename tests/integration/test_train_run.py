@@ -43,8 +43,10 @@ def test_short_two_worker_run_exports_logs_and_registers(short_offline_run, tiny
     assert result.best_step == max(val_history, key=val_history.get)
     assert result.metrics["val_est_accept_len"] == pytest.approx(val_history[result.best_step])
     for name in ("acc_0", "loss_0", "lr", "tokens_per_s", "val_acc_0", "val_loss_0", "padding_fraction",
-                 "padding_fraction_unpacked", "run_padding_fraction", "run_padding_fraction_unpacked"):
+                 "padding_fraction_unpacked", "run_padding_fraction", "run_padding_fraction_unpacked", "step_cpu_s",
+                 "tokens_per_cpu_s"):
         assert client.get_metric_history(result.run_id, name), f"metric {name} was not logged"
+    assert all(m.value > 0 for m in client.get_metric_history(result.run_id, "tokens_per_cpu_s"))
     padding = {name: run.data.metrics[f"run_{name}"] for name in ("padding_fraction", "padding_fraction_unpacked")}
     # The test config packs: the same samples with less padding than one sample a row.
     assert 0 <= padding["padding_fraction"] < padding["padding_fraction_unpacked"] < 1

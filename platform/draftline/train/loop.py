@@ -430,7 +430,7 @@ def _train(job: TrainingJob) -> None:
     attempt_totals = StepMetrics(train_cfg.ttt_steps)  # padding over this attempt's steps, all ranks
     while state["step"] < train_cfg.max_steps:
         fire_fault(job.fault, state["step"] + 1, rank, world_size)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         batch = make_batch(samples.train_samples(state["step"])).to(device, dtype)
         loss, metrics = engine(*objective_inputs(batch, head, t2d_device, dtype))
         engine.backward(loss)
@@ -446,6 +446,8 @@ def _train(job: TrainingJob) -> None:
         attempt_totals.merge(step_totals)
         global_tokens = step_totals.tokens
         step_s = time.perf_counter() - started
+        # This process's CPU time (all its threads): a shared machine's load inflates it far less than step_s.
+        step_cpu_s = time.process_time() - started_cpu
         state["tokens_seen"] += global_tokens
         step_metrics = {
             **step_totals.averages(),
@@ -454,6 +456,8 @@ def _train(job: TrainingJob) -> None:
             "tokens_per_s": global_tokens / step_s,
             "tokens_per_s_per_worker": global_tokens / step_s / world_size,
             "step_s": step_s,
+            "step_cpu_s": step_cpu_s,
+            "tokens_per_cpu_s": batch.num_tokens / max(step_cpu_s, 1e-9),  # this rank's real tokens, its own CPU
             "tokens_seen": state["tokens_seen"],
         }
         if getattr(samples, "tokens_received", 0):

@@ -19,7 +19,7 @@ SGLANG_ROOT ?= .sglang
 # speculators' and SpecForge's own code (overlays run by .venv's interpreter), for the tests that load exports with it.
 PEERS_ROOT ?= .peers
 
-.PHONY: setup setup-vllm sglang peers demo serve test test-fixtures test-unit test-integration test-e2e bench clean
+.PHONY: setup setup-vllm sglang peers demo serve test test-deps test-fixtures test-unit test-integration test-e2e bench clean
 
 setup: $(VENV)/.installed
 
@@ -68,16 +68,22 @@ PYTEST := $(PY) -m pytest -q -rs $(PYTEST_PARALLEL)
 test-fixtures: setup
 	timeout 3600 $(PY) tests/prebuild.py
 
-test: setup setup-vllm sglang peers test-fixtures
+# Everything the integration and e2e tiers need, built side by side: the venvs and overlays live in separate
+# directories (only .venv comes first, make orders that), so vLLM's and SGLang's downloads overlap the fixtures' CPU
+# work. --output-sync keeps each step's output in one piece.
+test-deps:
+	$(MAKE) -j4 --output-sync=target setup setup-vllm sglang peers test-fixtures
+
+test: test-deps
 	$(PYTEST) --durations=15 $(PYTEST_ARGS) tests/e2e tests/integration tests/unit
 
 test-unit: setup test-fixtures
 	$(PYTEST) $(PYTEST_ARGS) tests/unit
 
-test-integration: setup setup-vllm sglang peers test-fixtures
+test-integration: test-deps
 	$(PYTEST) $(PYTEST_ARGS) tests/integration
 
-test-e2e: setup setup-vllm sglang peers test-fixtures
+test-e2e: test-deps
 	$(PYTEST) $(PYTEST_ARGS) tests/e2e
 
 bench: setup

@@ -67,15 +67,18 @@ def test_usage_carries_speculative_stats():
     assert usage.spec_verify_steps == 4 and usage.spec_accepted_draft_tokens == 5
 
 
-@pytest.mark.parametrize("capture", [False, True])
-def test_a_request_keeps_its_tokens_and_text_only_for_traffic_capture(capture):
-    """With serve.traffic off nobody reads a request's token ids or text, so they are counted, not held."""
-    progress = _Progress(capture=capture)
+@pytest.mark.parametrize("keep_token_ids", [False, True])
+def test_a_request_keeps_its_token_ids_only_when_something_reads_them(keep_token_ids):
+    """With serve.traffic off and no reply read back from tokens, nobody reads a request's token ids, so they are
+    counted, not held; its text is the reply either way."""
+    progress = _Progress(keep_token_ids=keep_token_ids)
     progress.add_tokens([5, 6])
     progress.add_text("hi")
+    progress.add_text(" there")
     progress.add_tokens([7])
     assert progress.completion_tokens == 3
-    assert (progress.token_ids, progress.text) == (([5, 6, 7], ["hi"]) if capture else ([], []))
+    assert progress.token_ids == ([5, 6, 7] if keep_token_ids else [])
+    assert progress.reply_text() == "hi there"
 
 
 @pytest.mark.parametrize(

@@ -213,7 +213,7 @@ def test_a_qwen3_target_served_with_tools_answers_tool_calls_whole_and_streamed(
             "</tool_call><|im_end|>")
     progress = _Progress(token_ids=tokenizer(turn, add_special_tokens=False)["input_ids"], finish_reason="stop")
     assert reads_back(prepared)  # so its tokens are kept with serve.traffic off too
-    reply = validator.chat_reply(prepared, progress, "")
+    reply = validator.chat_reply(prepared, progress)
     message = response_message(reply).model_dump()
     assert (message["content"], message["reasoning_content"]) == (None, "ask")
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [

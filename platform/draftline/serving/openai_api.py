@@ -145,9 +145,9 @@ def reads_back(prepared: _Prepared) -> bool:
 
 @dataclass
 class _Progress:
-    # Keep token_ids and text when something reads them once the turn ended (the traffic store, a reply read back
-    # into tool calls or reasoning); else only count.
-    capture: bool = False
+    # The token ids are kept only when something reads them once the turn ended (the traffic store, a reply read
+    # back into tool calls or reasoning); else they are only counted.
+    keep_token_ids: bool = False
     completion_tokens: int = 0
     stats: Optional[SpecStats] = None
     token_ids: list[int] = field(default_factory=list)
@@ -156,12 +156,14 @@ class _Progress:
 
     def add_tokens(self, token_ids: list[int]) -> None:
         self.completion_tokens += len(token_ids)
-        if self.capture:
+        if self.keep_token_ids:
             self.token_ids.extend(token_ids)
 
     def add_text(self, text: str) -> None:
-        if self.capture:
-            self.text.append(text)
+        self.text.append(text)
+
+    def reply_text(self) -> str:
+        return "".join(self.text)
 
     def usage(self, prompt_tokens: int) -> Usage:
         return Usage.from_stats(prompt_tokens, self.completion_tokens, self.stats)
@@ -261,11 +263,11 @@ class RequestValidator:
         cuts = [at for at in (text.find(end) for end in self._turn_ends + stop_strings) if at >= 0]
         return text[: min(cuts)] if cuts else text
 
-    def chat_reply(self, prepared: _Prepared, progress: "_Progress", text: str) -> ChatReply:
-        """The reply of a finished chat request: `text` as the client got it, or, when tools or thinking ask for
+    def chat_reply(self, prepared: _Prepared, progress: "_Progress") -> ChatReply:
+        """The reply of a finished chat request: its text as the client got it, or, when tools or thinking ask for
         it, the turn's tokens read back into content, reasoning and tool calls."""
         if not reads_back(prepared):
-            return ChatReply(text)
+            return ChatReply(progress.reply_text())
         return self.chat_template.reply(prepared.chat, self.turn_text(progress.token_ids, prepared.stop_strings))
 
     def segment(self, request: Request) -> str:
@@ -375,7 +377,7 @@ def traffic_record(prepared: _Prepared, served: dict, progress: _Progress) -> di
         **(chat_traffic_fields(prepared.chat) if prepared.chat is not None else {}),
         "prompt_token_ids": prepared.prompt_ids,
         "completion_token_ids": progress.token_ids,
-        "completion_text": "".join(progress.text),
+        "completion_text": progress.reply_text(),
         "finish_reason": progress.finish_reason,
         "sampling": {"max_new_tokens": prepared.params.max_new_tokens, "temperature": prepared.params.temperature,
                      "top_p": prepared.params.top_p, "seed": prepared.params.seed, "stop": prepared.stop_strings},
@@ -670,26 +672,26 @@ class Ingress:
             "draftline": version,
         }
 
+    def _progress_for(self, prepared: _Prepared) -> _Progress:
+        return _Progress(keep_token_ids=self._traffic is not None or reads_back(prepared))
+
     async def _collect(self, prepared: _Prepared, stream: Any, first: dict, started_s: float) -> dict:
-        progress = _Progress(capture=self._traffic is not None or reads_back(prepared))
-        pieces: list[str] = []
+        progress = self._progress_for(prepared)
         finish_reason: Optional[str] = None
-        async for text, reason in self._generation(prepared, stream, first, started_s, progress):
-            pieces.append(text)
+        async for _, reason in self._generation(prepared, stream, first, started_s, progress):
             finish_reason = reason or finish_reason
         usage = progress.usage(len(prepared.prompt_ids))
         common = self._common(prepared, first["served"])
-        text = "".join(pieces)
         if prepared.route == "chat":
-            reply = self._requests.chat_reply(prepared, progress, text)
+            reply = self._requests.chat_reply(prepared, progress)
             choice = ChatChoice(message=response_message(reply), finish_reason=chat_finish_reason(reply, finish_reason))
             return ChatCompletionResponse(**common, choices=[choice], usage=usage).model_dump()
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        choice = CompletionChoice(text=progress.reply_text(), finish_reason=finish_reason)
         return CompletionResponse(**common, choices=[choice], usage=usage).model_dump()
 
     async def _sse(self, prepared: _Prepared, stream: Any, first: dict, started_s: float) -> AsyncIterator[str]:
         common = self._common(prepared, first["served"])
-        progress = _Progress(capture=self._traffic is not None or reads_back(prepared))
+        progress = self._progress_for(prepared)
         chat = prepared.route == "chat"
 
         def event(model: BaseModel) -> str:
@@ -704,7 +706,7 @@ class Ingress:
             async for text, reason in self._generation(prepared, stream, first, started_s, progress):
                 if whole_turn:
                     if reason is not None:
-                        choice = whole_turn_choice(self._requests.chat_reply(prepared, progress, ""), reason)
+                        choice = whole_turn_choice(self._requests.chat_reply(prepared, progress), reason)
                         yield event(ChatCompletionChunk(**common, choices=[choice]))
                 elif chat:
                     delta = ChatDelta(content=text) if text else ChatDelta()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from draftline.data.masks import end_of_turn_text, render, trained_spans
 from draftline.serving.chat_render import ChatRenderError, ChatTemplate
@@ -19,10 +21,12 @@ from draftline.serving.openai_api import (
     chat_finish_reason,
     chat_traffic_fields,
     response_message,
+    text_delta,
     traffic_record,
     whole_turn_choice,
 )
 from draftline.serving.openai_schema import ChatCompletionRequest
+from draftline.target.reasoning import DEFAULT_REASONING_TAGS, ReasoningStream, split_reasoning
 from test_chat_templates import FAMILIES, TIME, WEATHER, _call, family_tokenizer
 
 CALL_FORMATS = {"llama3.1": "llama3_json", "qwen3": "hermes", "deepseek-v3": "deepseek_v3", "kimi-k2": "kimi_k2"}
@@ -221,6 +225,38 @@ def test_a_qwen3_target_served_with_tools_answers_tool_calls_whole_and_streamed(
     assert chat_finish_reason(reply, "stop") == "tool_calls" and chat_finish_reason(reply, "length") == "length"
     streamed = whole_turn_choice(reply, "stop")
     assert streamed.finish_reason == "tool_calls" and [c.index for c in streamed.delta.tool_calls] == [0]
+    assert streamed.delta.reasoning_content == "ask"  # a whole turn streamed keeps its reasoning
     served = {"registered_model": "m", "model_version": "1", "backend": "reference"}
     record = traffic_record(prepared, served, progress)
     assert (record["prompt_segment"], record["tools"]) == ("has-tools", [WEATHER])
+
+
+# Pieces a thinking turn is made of, tag fragments and whitespace among them, so pieces split tags and runs of spaces.
+TURN_PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "/", "think", ">", "</", "\n", " ", "a", "b c",
+                                        "\n\n"]), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(head=TURN_PIECES, tail=TURN_PIECES, cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_a_streamed_thinking_turn_joins_to_the_whole_replys_reasoning_and_content(head, tail, cuts):
+    """Streamed with thinking on, reasoning_content and content, each joined, are what the non-streamed reply has
+    (split_reasoning, the rule regenerate and the endpoint use), however the engine cut the text into pieces."""
+    turn = "".join(head) + DEFAULT_REASONING_TAGS[1] + "".join(tail)
+    bounds = sorted({min(c, len(turn)) for c in cuts} | {0, len(turn)})
+    pieces = [turn[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    stream, thought, content = ReasoningStream(), "", ""
+    for k, piece in enumerate(pieces):
+        delta = text_delta(stream, piece, "stop" if k == len(pieces) - 1 else None)
+        if delta is not None:
+            thought, content = thought + (delta.reasoning_content or ""), content + (delta.content or "")
+    assert (content, thought) == split_reasoning(turn, DEFAULT_REASONING_TAGS)
+
+
+def test_a_streamed_thinking_turn_sends_reasoning_before_the_end_tag_arrives():
+    """Reasoning is streamed as it is generated, not held to the end; a piece that may be a tag waits."""
+    stream = ReasoningStream()
+    assert text_delta(stream, "<think>\nfirst", None).reasoning_content == "first"
+    assert text_delta(stream, " step</th", None).reasoning_content == " step"
+    last = text_delta(stream, "ink>\n\nThe answer.", "stop")
+    assert (last.reasoning_content, last.content) == (None, "The answer.")
+    assert text_delta(None, "as is", None).content == "as is"  # thinking off: every piece is content

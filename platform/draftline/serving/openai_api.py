@@ -54,6 +54,7 @@ from draftline.serving.openai_schema import (
 )
 from draftline.serving.traffic_capture import TrafficRecorder
 from draftline.target.load import resolve_target_dir
+from draftline.target.reasoning import ReasoningStream
 
 logger = logging.getLogger("ray.serve")
 
@@ -408,8 +409,22 @@ def chat_finish_reason(reply: ChatReply, finish_reason: Optional[str]) -> Option
 def whole_turn_choice(reply: ChatReply, finish_reason: str) -> ChatChunkChoice:
     """A streamed turn with tools, sent whole when it ends: its text and its calls in one delta."""
     calls = [DeltaToolCall(index=k, **call.openai()) for k, call in enumerate(reply.calls or [])]
-    return ChatChunkChoice(delta=ChatDelta(content=reply.content, tool_calls=calls or None),
-                           finish_reason=chat_finish_reason(reply, finish_reason))
+    delta = ChatDelta(content=reply.content, reasoning_content=reply.reasoning, tool_calls=calls or None)
+    return ChatChunkChoice(delta=delta, finish_reason=chat_finish_reason(reply, finish_reason))
+
+
+def text_delta(reasoning: Optional[ReasoningStream], text: str, finish_reason: Optional[str]) -> Optional[ChatDelta]:
+    """A streamed chat piece: its text as content, or, when thinking is on, split into reasoning and content like
+    the whole reply. None when a thinking turn has nothing to send yet (a tag, whitespace held back)."""
+    if reasoning is None:
+        return ChatDelta(content=text) if text else ChatDelta()
+    thought, content = reasoning.feed(text)
+    if finish_reason is not None:
+        held_thought, held_content = reasoning.flush()
+        thought, content = thought + held_thought, content + held_content
+    if not (thought or content or finish_reason):
+        return None
+    return ChatDelta(reasoning_content=thought or None, content=content or None)
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT)
@@ -700,8 +715,9 @@ class Ingress:
         if chat:
             yield event(ChatCompletionChunk(**common, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant"))]))
         # With tools, the turn is sent whole when it ends, its calls read back into tool_calls (calls are not
-        # streamed piece by piece).
+        # streamed piece by piece). With thinking on, the pieces are split into reasoning_content and content.
         whole_turn = chat and prepared.chat is not None and prepared.chat.call_format is not None
+        reasoning = ReasoningStream() if chat and prepared.chat is not None and prepared.chat.thinking else None
         try:
             async for text, reason in self._generation(prepared, stream, first, started_s, progress):
                 if whole_turn:
@@ -709,9 +725,10 @@ class Ingress:
                         choice = whole_turn_choice(self._requests.chat_reply(prepared, progress), reason)
                         yield event(ChatCompletionChunk(**common, choices=[choice]))
                 elif chat:
-                    delta = ChatDelta(content=text) if text else ChatDelta()
-                    choice = ChatChunkChoice(delta=delta, finish_reason=reason)
-                    yield event(ChatCompletionChunk(**common, choices=[choice]))
+                    delta = text_delta(reasoning, text, reason)
+                    if delta is not None:
+                        choice = ChatChunkChoice(delta=delta, finish_reason=reason)
+                        yield event(ChatCompletionChunk(**common, choices=[choice]))
                 else:
                     yield event(CompletionChunk(**common, choices=[CompletionChoice(text=text, finish_reason=reason)]))
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band like OpenAI does

@@ -193,6 +193,7 @@ class DeltaToolCall(ResponseToolCall):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # as vLLM's and SGLang's reasoning parsers stream it
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

@@ -8,6 +8,7 @@ twin must pass `draftline run --dry-run`.
 
 from __future__ import annotations
 
+import asyncio
 
 import pytest
 import torch
@@ -163,6 +164,51 @@ def test_reference_engine_keeps_each_layers_window(windowed_twin, tmp_path):
         cached = len(sequence.tokens) - 1  # the last committed token is the next verify's root
         assert sliding.window == window and sliding.valid.shape[1] == window - 1 < cached == full.valid.shape[1]
         assert caches.target.cache.layers[sliding.layer_ids[0]].keys.shape[2] == window - 1
+
+
+def test_windowed_requests_batch_token_identically(windowed_twin, tmp_path):
+    """Ragged requests, some three windows long, at concurrency 3 with an EAGLE-3 chain: rows join, step together and
+    leave at different lengths, each sliding group compacting its rows' windows apart; every reply is the target
+    alone's for that request, and the steps really were batched."""
+    from draftline.drafter.export import export_drafter
+    from registry_helpers import random_drafter
+
+    name, cfg, target_dir = windowed_twin
+    target_only = make_engine(cfg, target_dir)
+    target_only.load()
+    long_prompt = prompt_past_window(cfg, target_dir, target_only.model.config.sliding_window)
+    prompts = bench_prompts(cfg, target_dir, 4)
+    jobs = [(ids, SamplingParams(max_new_tokens=8 + 6 * (i % 3)))
+            for i, ids in enumerate([long_prompt, *prompts[:2], long_prompt[5:], *prompts[2:]])]  # fmt: skip
+    expected = [target_only.generate_ids(ids, params)[0] for ids, params in jobs]
+    for (ids, params), alone in zip(jobs, expected):
+        hf = target_only.model.generate(torch.tensor([ids]), max_new_tokens=params.max_new_tokens, do_sample=False,
+                                        attention_mask=torch.ones(1, len(ids)))  # fmt: skip
+        assert alone == hf[0, len(ids) :].tolist()[: len(alone)], name
+    drafter_dir = export_drafter(random_drafter(target_dir, cfg.data.draft_vocab_size, seed=1), tmp_path / "drafter")
+    engine = make_engine(cfg, target_dir, drafter_dir, model_version="random")
+    engine.load()
+    assert engine.batchable, name
+    batch_sizes = []
+    step_batch = engine._step_batch
+
+    def recording_step(sequences, caches):
+        batch_sizes.append(len(sequences))
+        return step_batch(sequences, caches)
+
+    engine._step_batch = recording_step
+
+    async def run_all():
+        gate = asyncio.Semaphore(3)
+
+        async def one(ids, params):
+            async with gate:
+                return [t async for chunk in engine.generate(ids, params) for t in chunk.token_ids]
+
+        return await asyncio.gather(*(one(ids, params) for ids, params in jobs))
+
+    assert asyncio.run(run_all()) == expected, name
+    assert max(batch_sizes) == 3
 
 
 def test_aux_layer_rule_is_the_productions(twin):

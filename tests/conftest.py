@@ -97,6 +97,9 @@ PRODUCTION = {
     "qwen3-8b": {"architecture": "Qwen3ForCausalLM", "rope_type": "default", "gqa": 32 // 8},
     "qwen3-30b-a3b": {"architecture": "Qwen3MoeForCausalLM", "rope_type": "default", "gqa": 32 // 4},
     "kimi-k2.5": {"architecture": "DeepseekV3ForCausalLM", "rope_type": "yarn", "gqa": 1},
+    # Gemma 3 ropes per layer type (rope_parameters has no single rope_type) and ties its embeddings.
+    "gemma3-1b": {"architecture": "Gemma3ForCausalLM", "rope_type": "default", "gqa": 4 // 1, "tied": True},
+    "gpt-oss-20b": {"architecture": "GptOssForCausalLM", "rope_type": "yarn", "gqa": 64 // 8},
 }
 
 
@@ -113,6 +116,24 @@ def twin_config(name: str, extra: list[str] | None = None):
     from draftline.config import load_config
 
     return load_config(twin_config_path(name), twin_overrides(extra))
+
+
+def bench_prompts(cfg, target_dir, count: int) -> list[list[int]]:
+    """The first `count` prompts of the bench split (token ids up to the first trained token)."""
+    from draftline.data.prepare import load_split, prepare
+
+    samples = load_split(prepare(cfg, target_dir), "bench")
+    return [s["input_ids"][: s["loss_mask"].index(1)] for s in samples if 1 in s["loss_mask"]][:count]
+
+
+def prompt_past_window(cfg, target_dir, window: int) -> list[int]:
+    """Bench prompts one after the other until the prompt is three attention windows long."""
+    ids: list[int] = []
+    for prompt in bench_prompts(cfg, target_dir, 16):
+        ids += prompt
+        if len(ids) >= 3 * window:
+            return ids
+    raise AssertionError(f"the bench prompts of {target_dir} add up to {len(ids)} tokens, under 3 windows of {window}")
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def cpu_head_dim_problem(head_dim: int, where: str) -> Optional[str]:
 
 # The families draftline.target.families builds and the chat layouts draftline.target.chat_layouts holds, named here
 # so that a config is checked without importing the target layer (tests/unit/test_config.py: the lists agree).
-TargetFamily = Literal["llama", "llama3.1", "qwen3", "qwen3-moe", "deepseek-v3"]
+TargetFamily = Literal["llama", "llama3.1", "qwen3", "qwen3-moe", "deepseek-v3", "gemma3", "gpt-oss"]
 ChatLayoutName = Literal["draftline", "llama3.1", "qwen3", "deepseek-v3", "kimi-k2"]
 
 

@@ -1,5 +1,7 @@
 """The whole pipeline on one shape twin per architecture class the embedded default (dense Llama, whose pipeline
-tests/e2e/test_pipeline.py runs) does not cover: sparse MoE (Qwen3-30B-A3B) and MLA with MoE and YaRN (Kimi-K2.5).
+tests/e2e/test_pipeline.py runs) does not cover: sparse MoE (Qwen3-30B-A3B), MLA with MoE and YaRN (Kimi-K2.5), and
+sliding windows (Gemma 3: 5 local to 1 global layers, head_dim 256, scaled embeddings tied to the LM head; gpt-oss,
+whose MoE Qwen3-30B-A3B covers, is checked without a pipeline in tests/integration/test_twins.py).
 bootstrap -> prepare -> extract (Ray) -> train (Ray Train + DeepSpeed) -> gate (MLflow registry) -> promote, at test
 size. The dense twins' families differ from the default in rope and qk-norm only, which tests/integration/test_twins.py
 (token identity through the reference engine) and tests/integration/test_drafter_rope.py check without a pipeline."""
@@ -18,7 +20,7 @@ TWIN_PIPELINE = ["train.max_steps=80", "gate.min_speedup=0.5", "gate.min_rounds=
                  *SMALL_BENCH]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen3-30b-a3b", "kimi-k2.5"])
+@pytest.fixture(scope="module", params=["qwen3-30b-a3b", "kimi-k2.5", "gemma3-1b"])
 def twin(request):
     cfg = twin_config(request.param)
     return request.param, cfg, bootstrap_target(cfg)

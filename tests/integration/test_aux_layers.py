@@ -189,7 +189,7 @@ print("REPORT", json.dumps(report))
 
 
 def test_vllm_capture_per_family_is_what_the_rule_says():
-    """vLLM 0.32 (.venv-vllm): Llama and Qwen3 support EAGLE-3, their own forward captures, for the ids our rule writes,
+    """vLLM 0.32 (.venv-vllm): Llama, Qwen3 and gpt-oss support EAGLE-3, their own forward captures, for the ids our rule writes,
     exactly the layer outputs the drafter was trained on, and their default layers are the rule's."""
     import json
     import subprocess
@@ -200,7 +200,8 @@ def test_vllm_capture_per_family_is_what_the_rule_says():
     version = DraftlineConfig().engine.vllm.version
     cases = []
     for family, module_name, model_name, lm_name in (("llama", "llama", "LlamaModel", "LlamaForCausalLM"),
-                                                     ("qwen3", "qwen3", "Qwen3Model", "Qwen3ForCausalLM")):  # fmt: skip
+                                                     ("qwen3", "qwen3", "Qwen3Model", "Qwen3ForCausalLM"),
+                                                     ("gpt_oss", "gpt_oss", "GptOssModel", "GptOssForCausalLM")):  # fmt: skip
         for num_layers, capture in ((8, [1, 3, 4]), (8, [0, 2, 6]), (36, [1, 17, 32])):
             written = aux_layer_ids(family, "vllm", version, num_layers, capture).written
             cases.append((family, module_name, model_name, lm_name, num_layers, written, capture))
@@ -214,3 +215,30 @@ def test_vllm_capture_per_family_is_what_the_rule_says():
         assert seen["supports_eagle3"], family
         assert seen["captured"] == capture, (family, num_layers, written, rule.source)
         assert seen["default_input_layers"] == rule.default_input_layers(num_layers), (family, rule.source)
+
+
+VLLM_EAGLE3_SUPPORT_PROBE = """
+import importlib, json, sys
+from vllm.model_executor.models.interfaces import supports_eagle3
+print("REPORT", json.dumps({f"{m}.{c}": supports_eagle3(getattr(importlib.import_module(f"vllm.model_executor.models.{m}"), c))
+                            for m, c in json.loads(sys.argv[1])}))
+"""
+
+
+def test_vllm_lacks_eagle3_for_exactly_the_architectures_the_preflight_refuses():
+    """vLLM 0.32's own model classes: Gemma3ForCausalLM has no EAGLE-3 interface (vLLM raises "Model does not support
+    EAGLE3 interface but aux_hidden_state_outputs was requested" once the target has loaded), gpt-oss has; draftline's
+    vLLM preflight refuses the first up front."""
+    import json
+    import subprocess
+
+    from draftline.config import DraftlineConfig
+    from draftline.engines.vllm.engine import vllm_python
+    from draftline.engines.vllm.preflight import NO_EAGLE3_ARCHITECTURES
+
+    classes = [("gemma3", "Gemma3ForCausalLM"), ("gpt_oss", "GptOssForCausalLM"), ("llama", "LlamaForCausalLM")]
+    done = subprocess.run([str(vllm_python(DraftlineConfig())), "-c", VLLM_EAGLE3_SUPPORT_PROBE, json.dumps(classes)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    supported = json.loads(done.stdout.split("REPORT", 1)[1])
+    assert {c for (m, c) in classes if not supported[f"{m}.{c}"]} == set(NO_EAGLE3_ARCHITECTURES)

@@ -36,6 +36,17 @@ def test_from_target_copies_the_target_shape():
     assert config.aux_layer_ids == (1, 2, 4)
 
 
+def test_a_target_roping_per_layer_type_gives_the_drafter_its_full_attention_rope():
+    from transformers import Gemma3TextConfig
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}  # fmt: skip
+    target = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=256, rope_parameters=rope)  # fmt: skip
+    config = DrafterConfig.from_target(target, draft_vocab_size=100, aux_layer_ids=[1, 2, 3])
+    assert (config.rope_theta, config.rope_scaling, config.head_dim) == (1000000.0, None, 256)
+
+
 def test_from_target_overrides_and_validation():
     target = tiny_llama_config()
     config = DrafterConfig.from_target(

@@ -50,6 +50,15 @@ def test_a_matching_pair_passes(tmp_path):
     assert preflight(cfg(), target(tmp_path), drafter(tmp_path)) == []
 
 
+def test_a_gemma3_target_with_a_drafter_is_refused_before_vllm_loads_it(tmp_path):
+    gemma = write_model(tmp_path, "gemma", architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=96,
+                        num_attention_heads=4, head_dim=256, num_hidden_layers=8, vocab_size=2048,
+                        max_position_embeddings=512)  # fmt: skip
+    with pytest.raises(VLLMPreflightError, match=r"(?s)Gemma3ForCausalLM.*no EAGLE-3 capture.*fix: serve .* reference"):
+        check_or_raise(cfg(), gemma, drafter(tmp_path, target_family="gemma3_text"))
+    assert preflight(cfg(), gemma, None) == []  # the target alone is served
+
+
 def test_head_dim_40_fails_before_the_first_request(tmp_path):
     with pytest.raises(VLLMPreflightError, match=r"head_dim 40 is not a multiple of 32.*first request"):
         check_or_raise(cfg(), target(tmp_path, head_dim=40), None)

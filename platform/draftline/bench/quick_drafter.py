@@ -19,7 +19,7 @@ from draftline.drafter.model import DrafterConfig, Eagle3Drafter
 from draftline.drafter.ttt import target_signals, ttt_loss
 from draftline.drafter.ttt_attention import AttentionKind
 from draftline.target.aux_layers import family_of
-from draftline.target.capture import capture_aux_hidden
+from draftline.target.capture import capture_aux_hidden, drafter_token_embedding
 from draftline.target.load import load_target, resolve_aux_layer_ids
 from draftline.utils import atomic_write_json, build_lock, stable_hash
 
@@ -39,7 +39,7 @@ def ttt_loss_on_samples(model, drafter, batch: list[dict], aux_layer_ids: list[i
     with torch.no_grad():
         aux_hidden, final_hidden = capture_aux_hidden(model, input_ids, attention_mask, aux_layer_ids)
         logits_draft, target_ids = target_signals(model.lm_head(final_hidden), drafter.t2d)
-        input_embeds = model.get_input_embeddings()(input_ids)
+        input_embeds = drafter_token_embedding(model)(input_ids)
     return ttt_loss(drafter, input_embeds, aux_hidden, logits_draft, loss_mask,
                     target_ids=target_ids, attention_mask=attention_mask, steps=ttt_steps, attention=attention)
 

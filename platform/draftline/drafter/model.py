@@ -204,7 +204,8 @@ def drafter_rope_scaling(exported: Optional[dict], where: str) -> Optional[dict]
 
 
 def _rope_of(hf_config: Any) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling for the drafter) from a target config (transformers 5 `rope_parameters`, 4.x keys).
+    """(rope_theta, rope_scaling for the drafter) from a target config (transformers 5 `rope_parameters`, 4.x keys;
+    the full-attention layers' for a target that ropes per layer type).
 
     The target's own YaRN magnitude (`mscale`, `mscale_all_dim`, `attention_factor`) is not the drafter's: the
     engines disagree on it (SGLang 0.5.6/0.5.12 ignore mscale, 0.5.23, vLLM and SpecForge take a ratio), so the
@@ -216,6 +217,9 @@ def _rope_of(hf_config: Any) -> tuple[float, Optional[dict]]:
     if not isinstance(params, dict):
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    # RoPE per layer type (Gemma 3: local theta 1e4, global 1e6): the drafter attends over the whole context, as
+    # the target's full-attention layers do, so it takes theirs.
+    params = params.get("full_attention", params)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", 10000.0))
     if rope_type == "default":

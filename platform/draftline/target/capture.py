@@ -5,6 +5,11 @@ engine reads): the engines capture the residual stream entering layer i+1, the o
 as `hidden_states[i + 1]` (`hidden_states[0]` is the embedding output). So aux layer id i selects `hidden_states[i + 1]`,
 concatenated in layer order along the feature axis.
 
+The drafter's token embedding is the target's embedding table as stored (`drafter_token_embedding`): the engines
+hand the drafter `embed_tokens.weight` (SGLang's `get_embed_and_head`, vLLM's shared `embed_tokens`) and training
+reads that tensor from the checkpoint, so a family's scale inside its embedding module (Gemma's sqrt(hidden)) is not
+applied.
+
 The final hidden state is the base model's `last_hidden_state`: the output of the final norm, the tensor the LM head
 multiplies (`logits = lm_head(last_hidden_state)`), so training targets can be recomputed from it exactly.
 """
@@ -34,3 +39,9 @@ def capture_aux_hidden(
     )
     aux_hidden = torch.cat([outputs.hidden_states[layer_id + 1] for layer_id in aux_layer_ids], dim=-1)
     return aux_hidden, outputs.last_hidden_state
+
+
+def drafter_token_embedding(model) -> torch.nn.Embedding:
+    """The target's token embedding as the drafter sees it: the stored table (shared, frozen), without the scale that
+    HF's Gemma3TextScaledWordEmbedding multiplies into its output."""
+    return torch.nn.Embedding.from_pretrained(model.get_input_embeddings().weight, freeze=True)

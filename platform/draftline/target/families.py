@@ -99,12 +99,47 @@ def _deepseek_v3(emb, special):
                             routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0)  # fmt: skip
 
 
+def sliding_window_of(emb: "EmbeddedTargetConfig") -> int:
+    """The twins' attention window: 1/16 of their context, so that a bench prompt and its reply outgrow it (the
+    published windows, 512 to 1024 of 32K to 128K for Gemma 3 and 128 of 128K for gpt-oss, would be a few tokens)."""
+    return emb.max_position_embeddings // 16
+
+
+def _gemma3(emb, special):
+    from transformers import Gemma3TextConfig
+
+    # google/gemma-3-1b-it (Gemma3ForCausalLM, text only): 5 sliding-window layers to 1 global, local RoPE theta 1e4
+    # and global 1e6, head_dim 256 decoupled from hidden (4 heads, 1 KV head), query scaled by 1/sqrt(256), pre- and
+    # post-norms around attention and MLP, embeddings scaled by sqrt(hidden) and tied to the LM head, GELU-tanh.
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}  # fmt: skip
+    return Gemma3TextConfig(**_common(emb, special), rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=rope,
+                            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=emb.head_dim,
+                            sliding_window=sliding_window_of(emb), sliding_window_pattern=6)  # fmt: skip
+
+
+def _gpt_oss(emb, special):
+    from transformers import GptOssConfig
+
+    # openai/gpt-oss-20b: sliding-window (128) and full attention alternating (even layers slide), a learned sink
+    # logit per head, attention biases, 32 experts with 4 routed per token (clamped SwiGLU, biases), YaRN x32 over
+    # 4096 positions, untied. The twin: 16 experts with 2 per token (the same 1/8), expert width = intermediate_size,
+    # YaRN x32 over max_positions/32.
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": emb.max_position_embeddings // 32}  # fmt: skip
+    return GptOssConfig(**_common(emb, special), rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=rope,
+                        sliding_window=sliding_window_of(emb), num_local_experts=16, num_experts_per_tok=2,
+                        attention_bias=True, swiglu_limit=7.0)  # fmt: skip
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", "llama", "the embedded default (Llama, default RoPE)", _llama),
     "llama3.1": Family("LlamaForCausalLM", "llama", "meta-llama/Llama-3.1-8B-Instruct", _llama31),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", "Qwen/Qwen3-8B", _qwen3),
     "qwen3-moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen/Qwen3-30B-A3B", _qwen3_moe),
     "deepseek-v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek-ai/DeepSeek-V3 (and moonshotai/Kimi-K2)", _deepseek_v3),
+    "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", "google/gemma-3-1b-it", _gemma3),
+    "gpt-oss": Family("GptOssForCausalLM", "gpt_oss", "openai/gpt-oss-20b", _gpt_oss),
 }
 
 

@@ -5,7 +5,8 @@ Rows of the running caches are requests (scheduler.py): joining requests are pre
 over their prompts, right-padded, each row causal over its own tokens, then one drafter extend) and a step drafts for
 every row at once, then verifies all rows in one target forward: each row holds its chain or tree (root first)
 padded to the widest, with its own positions and a mask that lets it see only its valid cache slots plus its
-ancestors. Targets whose HF cache is not plain full attention step one request at a time.
+ancestors, within each layer's sliding window where the target has them (Gemma 3, gpt-oss: kv_cache.SlotGroup).
+Targets whose HF cache is neither full attention nor a sliding window step one request at a time.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from draftline.engines.base import TARGET_ONLY, GenerationChunk, SamplingParams,
 from draftline.engines.reference import acceptance, output
 from draftline.engines.reference.checks import check_drafter_fits_target, check_request, check_speculative
 from draftline.engines.reference.drafts import ChainDrafts, chain_verify_inputs, tree_verify_inputs
-from draftline.engines.reference.kv_cache import Caches, batchable_cache, target_forward
+from draftline.engines.reference.kv_cache import Caches, TargetBatch, batchable_cache, target_forward
 from draftline.engines.reference.proposer import EagleProposer
 from draftline.engines.reference.scheduler import Request, Scheduler
 from draftline.engines.reference.sequence import Sequence, new_sequence
+from draftline.target.capture import drafter_token_embedding
 from draftline.target.load import load_target
 
 
@@ -85,7 +87,7 @@ class ReferenceEngine:
             self.drafter = load_drafter(self.drafter_dir, device=self.device)
             check_drafter_fits_target(self.drafter, self.model, self.drafter_dir)
             self.proposer = EagleProposer(
-                self.drafter, self.model.get_input_embeddings(), self.spec, int(self.model.config.vocab_size), self.device
+                self.drafter, drafter_token_embedding(self.model), self.spec, int(self.model.config.vocab_size), self.device
             )
 
     @torch.no_grad()
@@ -97,7 +99,8 @@ class ReferenceEngine:
             return True
         warnings.warn(
             f"target {self.target_dir}: its KV cache layers ({sorted({type(layer).__name__ for layer in cache.layers})}) "
-            "are not plain full-attention layers; the reference engine steps one request at a time (no batching)",
+            "are neither full-attention nor sliding-window layers; the reference engine steps one request at a time "
+            "(no batching)",
             stacklevel=2,
         )
         return False
@@ -189,9 +192,7 @@ class ReferenceEngine:
         in_prompt = torch.arange(width)[None] < torch.tensor(lengths)[:, None]  # [n, width]
         allowed = torch.ones(width, width, dtype=torch.bool).tril()[None] & in_prompt[:, None, :]  # key <= query, real
         positions = torch.arange(width)[None].expand(len(sequences), -1)
-        caches = Caches()
-        no_slots = torch.zeros(len(sequences), 0, dtype=torch.bool, device=self.device)
-        caches.target.add(DynamicCache(config=self.model.config), no_slots)
+        caches = Caches(target=TargetBatch.empty(self.model.config, len(sequences), self.device))
         logits, aux = caches.target.forward(
             self.model, ids.to(self.device), positions.to(self.device), allowed.to(self.device), self._aux_layer_ids()
         )

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from draftline.drafter.model import attend
 
@@ -19,9 +20,10 @@ def target_forward(
     position_ids: torch.Tensor,
     cache,
     aux_layer_ids: Optional[list[int]],
-    attention_mask: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor | dict[str, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Target forward with KV cache -> (logits [B, T, V], aux states [B, T, n_aux*H] or None).
+    """Target forward with KV cache -> (logits [B, T, V], aux states [B, T, n_aux*H] or None). attention_mask: one
+    additive mask [B, 1, T, S + T], or one per layer type (config.layer_types) for targets with sliding windows.
 
     The aux states are exactly what `draftline.target.capture.capture_aux_hidden` feeds the drafter
     (`hidden_states[i + 1]` per aux layer id i, concatenated in order); tests pin the two together.
@@ -43,14 +45,14 @@ def target_forward(
 
 
 def batchable_cache(cache) -> bool:
-    """Whether the HF cache is made of plain full-attention key/value layers [B, heads, S, D] (Llama, Qwen3, MoE,
-    MLA as transformers implements them): those can share one batched cache with a slot-validity mask.
-    Anything else (sliding-window or linear-attention layers) runs one sequence per batch."""
-    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
+    """Whether the HF cache is made of key/value layers [B, heads, S, D], full attention or a sliding window (Llama,
+    Qwen3, MoE, MLA, Gemma 3, gpt-oss as transformers implements them): those can share one batched cache with slot
+    masks (TargetBatch). Anything else (linear-attention or chunked layers) runs one sequence per batch."""
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in getattr(cache, "layers", [None]))
 
 
 def pad_slots(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad dim 2 (keys/values [B, heads, S, D]) or dim 1 (valid [B, S]) with zeros/False up to width."""
+    """Pad dim 2 (keys/values [B, heads, S, D]) or dim 1 (valid, positions [B, S]) with zeros/False up to width."""
     dim = 2 if x.dim() == 4 else 1
     missing = width - x.shape[dim]
     if missing == 0:
@@ -60,68 +62,139 @@ def pad_slots(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def attention_windows(config) -> dict[str, tuple[list[int], Optional[int]]]:
+    """The target's layers by attention kind (config.layer_types, all "full_attention" without it) ->
+    (layer indices, window): `sliding_window` tokens for "sliding_attention" layers, None (every earlier token) else."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    windows: dict[str, tuple[list[int], Optional[int]]] = {}
+    for layer_id, layer_type in enumerate(layer_types):
+        window = config.sliding_window if layer_type == "sliding_attention" else None
+        windows.setdefault(layer_type, ([], window))[0].append(layer_id)
+    return windows
+
+
+@dataclass
+class SlotGroup:
+    """The KV slots of the layers of one attention kind: valid [B, S] marks the slots of committed tokens, positions
+    [B, S] their positions. A query at position q sees a slot at position k when k > q - window (HF's and vLLM's
+    sliding window, the query itself included), so a windowed group drops the slots no later query can see."""
+
+    layer_ids: list[int]
+    window: Optional[int]  # None: full attention
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+    def allowed(self, positions: torch.Tensor, new_allowed: torch.Tensor) -> torch.Tensor:
+        """Which slots and new tokens each new token (positions [B, T]) sees: [B, T, S + T]."""
+        batch, length = positions.shape
+        allowed = torch.cat([self.valid[:, None, :].expand(batch, length, -1), new_allowed], dim=-1)
+        if self.window is None:
+            return allowed
+        keys = torch.cat([self.positions, positions], dim=1)
+        return allowed & (keys[:, None, :] > positions[:, :, None] - self.window)
+
+    def reachable(self) -> torch.Tensor:
+        """valid, less the slots a window has left behind: the next query of a row is past its last cached token."""
+        if self.window is None:
+            return self.valid
+        next_position = torch.where(self.valid, self.positions, -1).max(dim=1, keepdim=True).values + 1
+        return self.valid & (self.positions > next_position - self.window)
+
+
 class TargetBatch:
-    """The target KV cache of running sequences: one HF DynamicCache, one row per sequence, and `valid` [B, S]
-    marking which slots hold committed tokens. A verify appends T slots to every row; the slots of rejected
-    drafts stay invalid (masked) instead of being cropped, and `compact` packs every row's valid slots to the
-    left once a column is unused by every row. Positions are per row (RoPE is applied before caching), so a
-    slot's index need not equal its position."""
+    """The target KV cache of running sequences: one HF DynamicCache of plain layers, one row per sequence, and a
+    SlotGroup per attention kind (full, sliding window) marking which slots its layers' rows hold. A verify appends
+    T slots to every row; the slots of rejected drafts stay invalid (masked) instead of being cropped, and `compact`
+    packs every row's valid slots to the left once a column is unused by every row of a group (a windowed group also
+    drops the slots its window has passed). Positions are per row (RoPE is applied before caching), so a slot's index
+    need not equal its position."""
 
     def __init__(self) -> None:
         self.cache = None
-        self.valid: Optional[torch.Tensor] = None  # [B, S] bool
+        self.groups: dict[str, SlotGroup] = {}  # by layer type, as the model's forward takes its masks
+
+    @classmethod
+    def empty(cls, config, rows: int, device) -> "TargetBatch":
+        batch = cls()
+        batch.cache = DynamicCache(config=config)
+        # HF's window layers crop to the last window-1 tokens on update; the slot groups do the windowing instead.
+        batch.cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in batch.cache.layers]
+        no_slots = torch.zeros(rows, 0, dtype=torch.bool, device=device)
+        batch.groups = {layer_type: SlotGroup(layer_ids, window, no_slots, no_slots.long())
+                        for layer_type, (layer_ids, window) in attention_windows(config).items()}  # fmt: skip
+        return batch
 
     @property
     def rows(self) -> int:
-        return 0 if self.valid is None else self.valid.shape[0]
+        return 0 if self.cache is None else next(iter(self.groups.values())).valid.shape[0]
 
-    def add(self, cache, valid: torch.Tensor) -> None:
-        """Append the rows of a prefilled cache (its slot validity `valid` [n, S]) after the existing rows."""
+    def _layers(self, group: SlotGroup):
+        return [self.cache.layers[layer_id] for layer_id in group.layer_ids]
+
+    def add(self, other: "TargetBatch") -> None:
+        """Append the rows of another batch (freshly prefilled) after the existing rows."""
         if self.cache is None:
-            self.cache, self.valid = cache, valid
+            self.cache, self.groups = other.cache, other.groups
             return
-        width = max(self.valid.shape[1], valid.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([pad_slots(mine.keys, width), pad_slots(theirs.keys, width)])
-            mine.values = torch.cat([pad_slots(mine.values, width), pad_slots(theirs.values, width)])
-        self.valid = torch.cat([pad_slots(self.valid, width), pad_slots(valid, width)])
+        for layer_type, group in self.groups.items():
+            theirs = other.groups[layer_type]
+            width = max(group.valid.shape[1], theirs.valid.shape[1])
+            for mine, their_layer in zip(self._layers(group), other._layers(theirs)):
+                mine.keys = torch.cat([pad_slots(mine.keys, width), pad_slots(their_layer.keys, width)])
+                mine.values = torch.cat([pad_slots(mine.values, width), pad_slots(their_layer.values, width)])
+            group.valid = torch.cat([pad_slots(group.valid, width), pad_slots(theirs.valid, width)])
+            group.positions = torch.cat([pad_slots(group.positions, width), pad_slots(theirs.positions, width)])
 
     def keep_rows(self, rows: list[int]) -> None:
         if not rows:
-            self.cache = self.valid = None
+            self.cache, self.groups = None, {}
             return
-        index = torch.tensor(rows, device=self.valid.device)
+        index = torch.tensor(rows, device=next(iter(self.groups.values())).valid.device)
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-        self.valid = self.valid.index_select(0, index)
+        for group in self.groups.values():
+            group.valid, group.positions = group.valid.index_select(0, index), group.positions.index_select(0, index)
 
     def forward(self, model, ids, positions, new_allowed, aux_layer_ids):
-        """Every row's new tokens [B, T] in one forward; row b sees its valid slots and new_allowed[b] [T, T]."""
-        batch, length = ids.shape
-        allowed = torch.cat([self.valid[:, None, :].expand(batch, length, -1), new_allowed], dim=-1)
+        """Every row's new tokens [B, T] at positions [B, T] in one forward; row b sees its valid slots and
+        new_allowed[b] [T, T], within each layer's window."""
         dtype = model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        logits, aux = target_forward(model, ids, positions, self.cache, aux_layer_ids, mask[:, None])
-        self.valid = torch.cat([self.valid, torch.zeros(batch, length, dtype=torch.bool, device=ids.device)], dim=1)
-        return logits, aux
+        masks = {}
+        for layer_type, group in self.groups.items():
+            allowed = group.allowed(positions, new_allowed)
+            masks[layer_type] = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min)[:, None]  # fmt: skip
+            group.valid = pad_slots(group.valid, group.valid.shape[1] + ids.shape[1])
+            group.positions = torch.cat([group.positions, positions], dim=1)
+        # One kind of attention: the plain mask every HF decoder takes; several: one per layer type, as the models
+        # with config.layer_types (Gemma 3, gpt-oss, Qwen3) take them.
+        mask = next(iter(masks.values())) if len(masks) == 1 and not self._windowed() else masks
+        return target_forward(model, ids, positions, self.cache, aux_layer_ids, mask)
+
+    def _windowed(self) -> bool:
+        return any(group.window is not None for group in self.groups.values())
 
     def commit(self, kept: torch.Tensor) -> None:
         """Mark the slots of the last forward whose tokens are committed: kept [B, T] bool over its T new tokens."""
-        self.valid[:, self.valid.shape[1] - kept.shape[1] :] = kept.to(self.valid.device)
+        for group in self.groups.values():
+            group.valid[:, group.valid.shape[1] - kept.shape[1] :] = kept.to(group.valid.device)
 
     def compact(self) -> None:
-        counts = self.valid.sum(dim=1)
-        width = int(counts.max())
-        if width == self.valid.shape[1]:
-            return
-        # stable sort puts each row's valid slots first, in slot order
-        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        for layer in self.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, index)
-            index = order[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
-            layer.values = layer.values.gather(2, index)
-        self.valid = torch.arange(width, device=counts.device)[None] < counts[:, None]
+        for group in self.groups.values():
+            reachable = group.reachable()
+            counts = reachable.sum(dim=1)
+            width = int(counts.max())
+            if width == group.valid.shape[1]:
+                continue
+            # stable sort puts each row's reachable slots first, in slot order
+            order = torch.sort((~reachable).to(torch.int8), dim=1, stable=True).indices[:, :width]
+            for layer in self._layers(group):
+                index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                layer.keys = layer.keys.gather(2, index)
+                index = order[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+                layer.values = layer.values.gather(2, index)
+            group.positions = group.positions.gather(1, order)
+            group.valid = torch.arange(width, device=counts.device)[None] < counts[:, None]
 
 
 class DraftBatch:
@@ -202,7 +275,7 @@ class Caches:
     def add(self, other: "Caches") -> None:
         if other.target.rows == 0:
             return
-        self.target.add(other.target.cache, other.target.valid)
+        self.target.add(other.target)
         self.draft.add(other.draft)
 
     def keep_rows(self, rows: list[int]) -> None:

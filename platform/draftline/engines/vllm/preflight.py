@@ -10,6 +10,8 @@ Read from vLLM 0.32.0 (CPU build) and seen on this machine:
   silently (draftline.target.aux_layers decides the ids; drafter/export.py writes both keys).
 - target_hidden_size, vocab_size and len(d2t) that do not fit the target fail only after the target has loaded.
 - A max_model_len beyond the target's max_position_embeddings fails at start-up, after vLLM has imported everything.
+- A target class without vLLM's EAGLE-3 interface (Gemma3ForCausalLM) fails once the target has loaded: "Model does
+  not support EAGLE3 interface but aux_hidden_state_outputs was requested".
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from draftline.engines.sglang.checkpoint import read_checkpoint
 from draftline.target.aux_layers import AuxLayerIdError, capture_ids_from_written, family_of
 
 EAGLE3_DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# Target classes of vLLM 0.32 that do not implement SupportsEagle3 (no aux hidden-state capture), among the families
+# draftline builds twins of; tests/integration/test_aux_layers.py asks vLLM's own classes.
+NO_EAGLE3_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,12 @@ def preflight(cfg: DraftlineConfig, target_dir: Path, drafter_dir: Optional[Path
               f"{spec.num_draft_tokens} with num_steps {spec.num_steps}: vLLM verifies num_speculative_tokens + 1 = "
               f"{spec.num_steps + 1} tokens per step and has no separate setting",
               f"set engine.speculative.num_draft_tokens: {spec.num_steps + 1}")  # fmt: skip
+    target_architectures = target.config.get("architectures") or []
+    unsupported = [a for a in target_architectures if a in NO_EAGLE3_ARCHITECTURES]
+    if unsupported:
+        error("target", f"{target_dir}/config.json architectures {unsupported}: vLLM {cfg.engine.vllm.version} has no "
+              "EAGLE-3 capture for this class and fails after loading the target",
+              "serve this target's drafter with engine.backend reference")  # fmt: skip
     config = draft.config
     where = f"{drafter_dir}/config.json"
     if draft.architecture not in EAGLE3_DRAFT_ARCHITECTURES:

@@ -145,7 +145,7 @@ def test_bench_run_on_another_datasets_bench_split(tmp_path, tiny_target_dir, ti
     shutil.copytree(tiny_dataset_dir, copy)
     bench = copy / "bench.jsonl"
     bench.write_text(bench.read_text().splitlines()[0] + "\n")
-    cfg = make_test_config(extra=SMALL_BENCH + ["bench.rounds=1"])
+    cfg = make_test_config(extra=SMALL_BENCH + ["bench.rounds=1", "bench.concurrency=[1]"])
     report = run_bench(cfg, [("fitted", fitted_drafter_dir, None)], log=lambda _: None, dataset_dir=copy)
     fitted = [r for r in report["rows"] if r["label"] == "fitted"]
     assert [r["requests"] for r in report["rows"]] == [1, 1]

@@ -1,7 +1,7 @@
-"""Accept length per prompt segment (has-tools / thinking-on / thinking-off / plain): the qwen3 twin and the real target.
+"""Accept length per prompt segment (has-tools / thinking-on / thinking-off / plain): qwen3 twin and real target.
 
     .venv/bin/python benchmarks/segments.py twin                 # the qwen3 twin, three drafters, two prompt sets
-    .venv/bin/python benchmarks/segments.py real --drafter DIR --dataset DIR --target DIR   # the real target's bench split
+    .venv/bin/python benchmarks/segments.py real --drafter DIR --dataset DIR --target DIR  # its bench split
 
 twin: the qwen3 shape twin (configs/twins/qwen3-8b.yaml) built with Qwen3's chat layout (`target.embedded.chat_template
 =qwen3`: tool schemas and the `enable_thinking` switch; the twin config itself keeps draftline's layout). Its own
@@ -46,11 +46,11 @@ REAL = REPO / "configs" / "smollm2-135m-cpu.yaml"
 TWIN_RUNS = {"mixed": "mixed", "off": "off", "default": None}
 TWIN_SETTINGS = [
     "target.embedded.chat_template=qwen3",
-    "target.embedded.train_steps=160",  # of the config's 400 (16 x 128 tokens a step): the twin's build fits this shared machine
+    "target.embedded.train_steps=160",  # of the config's 400 (16 x 128 tokens each): fits this shared machine
     "train.max_steps=150",
     "regenerate.enabled=true",
     "regenerate.max_new_tokens_per_turn=64",  # as long as the twin's own replies (target.embedded.reply_max_new_tokens)
-    "data.max_seq_len=448",  # a tool prompt is 240-270 twin tokens (Qwen3's tool preamble); 448 + 48 new < 512 positions
+    "data.max_seq_len=448",  # a tool prompt: 240-270 twin tokens (Qwen3's tool preamble); 448 + 48 new < 512 positions
     "data.split.bench_fraction=0.2",  # ~60 bench prompts: ~20 per segment
     "bench.num_prompts=80",
     "gate.max_rounds=3",  # accept length is what is measured here (greedy: the same in every round), not a timing
@@ -93,8 +93,8 @@ def tool_conversation(rng: random.Random, index: int, functions: list[tuple[str,
     module, name, doc = rng.choice(functions)
     kind = rng.randrange(3)
     if kind == 0:
-        ask, call, result = (f"What does {module}.{name} do? Look it up.", ("lookup_docs", {"name": f"{module}.{name}"}),
-                             doc)  # fmt: skip
+        ask, call, result = (f"What does {module}.{name} do? Look it up.",
+                             ("lookup_docs", {"name": f"{module}.{name}"}), doc)  # fmt: skip
     elif kind == 1:
         ask, call, result = (f"Show me what {module}.{name} is by running it.",
                              ("run_python", {"code": f"import {module.split('.')[0]}\nprint({module}.{name})"}),
@@ -125,10 +125,12 @@ def mixed_conversations(target_dir: Path, count: int, seed: int, out_dir: Path) 
     return path
 
 
-def twin_config(data_dir: Path, label: str, thinking, conversations: Path | None, overrides: list[str]) -> DraftlineConfig:
+def twin_config(data_dir: Path, label: str, thinking, conversations: Path | None,
+                overrides: list[str]) -> DraftlineConfig:
     extra = [f"data.thinking={thinking}"] if thinking else []
     extra += [f"data.conversations={conversations}"] if conversations else []
-    return load_config(TWIN, [f"data_dir={data_dir}", f"name=twin-qwen3-8b-{label}", *TWIN_SETTINGS, *extra, *overrides])
+    return load_config(TWIN, [f"data_dir={data_dir}", f"name=twin-qwen3-8b-{label}", *TWIN_SETTINGS, *extra,
+                              *overrides])
 
 
 def segment_cells(rows: list[dict], label: str) -> dict:
@@ -166,7 +168,8 @@ def twin(args: argparse.Namespace, save) -> dict:
                        "val_est_accept_len": summary["train"]["outputs"]["metrics"]["val_est_accept_len"],
                        "gate": {"verdict": gate["verdict"], "accept_length": gate["bench"]["accept_length"],
                                 "segments": segment_cells(gate["bench"]["rows"], f"v{gate['version']}")},
-                       "regenerated": _regenerated(Path(regenerated["conversations"]).parent), "dataset": summary["prepare"]["outputs"]["report"],
+                       "regenerated": _regenerated(Path(regenerated["conversations"]).parent),
+                       "dataset": summary["prepare"]["outputs"]["report"],
                        "seconds": {s: round(v["seconds"], 1) for s, v in summary.items() if "seconds" in v}}  # fmt: skip
         _log(f"{label}: {json.dumps(runs[label])}")
         save(result)

@@ -134,3 +134,20 @@ def test_bench_splits_accept_length_by_segment(tmp_path, tiny_target_dir, fitted
     values = [v["accept_length"] for v in segments.values()]
     assert min(values) > 1 and min(values) <= speculative["accept_length"] <= max(values)
     assert f"accept by segment, fitted {speculative['spec']} c1: has-tools {segments['has-tools']['accept_length']} (1 prompts)" in format_table(report["rows"])
+
+
+def test_bench_run_on_another_datasets_bench_split(tmp_path, tiny_target_dir, tiny_dataset_dir, fitted_drafter_dir):
+    """`dataset_dir` benches on that prepared dataset's bench split (here a copy holding one of its samples), not on
+    the one the config would prepare; every prompt of it is in the `plain` segment (no tools, no data.thinking)."""
+    import shutil
+
+    copy = tmp_path / "dataset"
+    shutil.copytree(tiny_dataset_dir, copy)
+    bench = copy / "bench.jsonl"
+    bench.write_text(bench.read_text().splitlines()[0] + "\n")
+    cfg = make_test_config(extra=SMALL_BENCH + ["bench.rounds=1", "bench.concurrency=[1]"])
+    report = run_bench(cfg, [("fitted", fitted_drafter_dir, None)], log=lambda _: None, dataset_dir=copy)
+    fitted = [r for r in report["rows"] if r["label"] == "fitted"]
+    assert [r["requests"] for r in report["rows"]] == [1, 1]
+    assert list(fitted[0]["accept_length_by_segment"]) == ["plain"]
+    assert fitted[0]["accept_length_by_segment"]["plain"]["prompts"] == 1

@@ -104,12 +104,14 @@ def run_bench(
     sweep: bool = False,
     temperature: float = 0.0,
     log=print,
+    dataset_dir: Optional[Path] = None,
 ) -> dict:
-    """Bench the target alone and each candidate over bench.rounds paired rounds.
+    """Bench the target alone and each candidate over bench.rounds paired rounds, on the prompts plan_bench picks
+    (`dataset_dir`: the bench split of that prepared dataset, e.g. another run's, instead of the one cfg prepares).
 
     Returns the JSON report: {"rows": [...metrics per engine and concurrency...], "best": {...} (sweep only), ...}.
     """
-    plan = plan_bench(cfg, candidates, sweep, temperature)
+    plan = plan_bench(cfg, candidates, sweep, temperature, dataset_dir)
 
     async def rounds() -> tuple[list[LoadRow], dict]:
         async with plan.paired_rounds(cfg, log) as paired:

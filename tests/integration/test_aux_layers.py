@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import json
 from types import SimpleNamespace
 from typing import List, Optional
 
@@ -19,7 +21,7 @@ from draftline.target.aux_layers import (
     rule_for,
     _RULES,
 )
-from engine_sources import method_from_source, read_wheel_file, sglang_wheel
+from engine_sources import REPO, method_from_source, read_wheel_file, sglang_wheel
 
 
 @pytest.mark.parametrize("engine", ["reference", "sglang", "vllm"])
@@ -242,3 +244,48 @@ def test_vllm_lacks_eagle3_for_exactly_the_architectures_the_preflight_refuses()
     assert done.returncode == 0, done.stderr[-3000:]
     supported = json.loads(done.stdout.split("REPORT", 1)[1])
     assert {c for (m, c) in classes if not supported[f"{m}.{c}"]} == set(NO_EAGLE3_ARCHITECTURES)
+
+
+def _gemma3_capture_in(source: str) -> str:
+    """What a release's gemma3_causal.py captures, read from its code: "none" (no EAGLE-3), "stream" (the layers add
+    their residual, so `hidden_states` is the residual stream), "mlp-output" (the layers take the residual apart and
+    the model still appends `hidden_states` alone)."""
+    if "def set_eagle3_layers_to_capture" not in source:
+        return "none"
+    tree = ast.parse(source)
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    forward = next(f for f in classes["Gemma3DecoderLayer"].body if isinstance(f, ast.FunctionDef) and f.name == "forward")
+    model = next(f for f in classes["Gemma3TextModel"].body if isinstance(f, ast.FunctionDef) and f.name == "forward")
+    appended = {ast.unparse(call.args[0]) for call in ast.walk(model)
+                if isinstance(call, ast.Call) and ast.unparse(call.func) == "aux_hidden_states.append"}  # fmt: skip
+    assert appended == {"hidden_states"}, appended  # anything else: read this release again
+    return "mlp-output" if "residual" in [arg.arg for arg in forward.args.args] else "stream"
+
+
+def test_sglang_preflight_knows_what_each_release_captures_for_gemma3(tmp_path):
+    """Every SGLang release `make sglang` keeps (.sglang/wheels, 0.5.6 to 0.5.23): the preflight's TARGET_CAPTURE
+    table against the release's own gemma3_causal.py, and its finding on a Gemma 3 target with a draftline drafter."""
+    from draftline.engines.sglang.preflight import preflight
+    from draftline.engines.sglang.rules import TARGET_CAPTURE, parse_version
+
+    wheels = sorted((REPO / ".sglang" / "wheels").glob("sglang-*.whl"))
+    assert len(wheels) >= 20, f"run `make sglang`: {len(wheels)} wheels in .sglang/wheels"
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    seen = {}
+    for wheel in wheels:
+        version = wheel.name.split("-")[1]
+        captured = _gemma3_capture_in(read_wheel_file(wheel, "sglang/srt/models/gemma3_causal.py"))
+        table = next(what for first, before, what in TARGET_CAPTURE["Gemma3ForCausalLM"]
+                     if parse_version(first) <= parse_version(version) and (before is None or parse_version(version) < parse_version(before)))  # fmt: skip
+        assert table == captured, f"SGLang {version}'s gemma3_causal.py captures {captured}, the table says {table}"
+        argv = ["python", "-m", "sglang.launch_server", "--model-path", str(tmp_path / "target"), "--speculative-algorithm",
+                "EAGLE3", "--speculative-draft-model-path", str(tmp_path / "draft"), "--speculative-num-steps", "3",
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
+        findings = [f for f in preflight(argv, version) if f.rule == "target-capture"]
+        expected = {"none": ["error"], "stream": [], "mlp-output": ["warning"]}[captured]
+        assert [f.level for f in findings] == expected, (version, findings)
+        seen[captured] = seen.get(captured, 0) + 1
+    assert set(seen) == {"none", "stream", "mlp-output"}, seen

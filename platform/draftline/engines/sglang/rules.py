@@ -941,6 +941,8 @@ def check_checkpoints(ctx: Context) -> Iterator[Finding]:
             "embedding, so d2t offsets computed for another tokenizer point at wrong tokens.",
             "export the drafter from a dataset prepared with this target's tokenizer",
         )  # fmt: skip
+    if target.architecture in TARGET_CAPTURE:
+        yield from _target_capture(ctx, target.architecture, [draft_flag, target_flag])
     aux_ids = (draft.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     num_layers = target.config.get("num_hidden_layers")
     if aux_ids is not None and num_layers is not None:
@@ -961,6 +963,34 @@ def check_checkpoints(ctx: Context) -> Iterator[Finding]:
                 f"draft lists {len(aux_ids)} ids ({aux_ids}); weights will not load (0.5.12+ reads the count from eagle_config).",
                 f"train with {fixed} aux layers, or run SGLang 0.5.12 or newer",
             )  # fmt: skip
+
+
+# What SGLang's model code captures as EAGLE-3 aux states, for target architectures where it is not the residual
+# stream (HF's hidden_states[k], what draftline trains on) in every release: (first version, before version, what).
+# Gemma 3, read in gemma3_causal.py of every released wheel from 0.5.6 to 0.5.23: no EAGLE-3 before 0.5.12 (no
+# set_eagle3_layers_to_capture); 0.5.12-0.5.16 the layers add their residual themselves, so the stream is captured;
+# from 0.5.17 they keep the residual apart for a fused add-norm and the capture appends `hidden_states` alone, the
+# layer's normalised MLP output.
+TARGET_CAPTURE: dict[str, tuple[tuple[str, Optional[str], str], ...]] = {
+    "Gemma3ForCausalLM": (("0.0", "0.5.12", "none"), ("0.5.12", "0.5.17", "stream"), ("0.5.17", None, "mlp-output")),
+}
+
+
+def _target_capture(ctx: Context, architecture: str, flags: list[str]) -> Iterator[Finding]:
+    ranges = TARGET_CAPTURE[architecture]
+    v = parse_version(ctx.version)
+    captured = next(what for first, before, what in ranges
+                    if parse_version(first) <= v and (before is None or v < parse_version(before)))  # fmt: skip
+    good = " or ".join(f"{first}-{before}" if before else f"{first}+" for first, before, what in ranges if what == "stream")
+    fix = f"serve this target with SGLang {good} (or draftline's reference engine)"
+    if captured == "none":
+        yield _err("target-capture", flags, f"SGLang {ctx.version}'s {architecture} has no EAGLE-3 aux-state capture "
+                   "(no set_eagle3_layers_to_capture): the EAGLE-3 worker fails when it asks for it.", fix)  # fmt: skip
+    elif captured == "mlp-output":
+        yield _warn("target-capture", flags, f"SGLang {ctx.version}'s {architecture} keeps the residual apart and "
+                    "captures each layer's normalised MLP output, not the residual stream the drafter was trained on: "
+                    "serving stays lossless but the drafter sees other features and acceptance falls to about nothing.",
+                    fix)  # fmt: skip
 
 
 RULES: tuple[Rule, ...] = (

@@ -1,12 +1,16 @@
 """One refresh, measured live: a champion trained on one prompt distribution serves another; does the loop fix it?
 
     PYTHONPATH=platform .venv/bin/python benchmarks/refresh.py [--traffic 80] [--measure 24] [--train-steps 60]
+        [--via-drift]
 
 One local Ray and one Serve app (the test-size target, the reference engine) with traffic capture on. The champion
 is the tests' fitted `quick_drafter`, trained on the test dataset: questions "What does `X` in M do?". A client
 then replays a different prompt set through the endpoint (instructions: "List ...", "Translate ...", ...), to which
 the target answers differently. Then `refresh` runs in this process as `draftline refresh` does: the real window,
 Ray Train + DeepSpeed from the champion's weights, both real gates, and `promote_and_roll` of the running app.
+With --via-drift the champion is gated first (the real gate, for the accept length the drift check compares with),
+the app runs with serve.drift.refresh, and the refresh is the Ray job the drift check submits when the replayed
+traffic pulls the live accept length down; the script waits for that job.
 
 Live accept length (the `usage.spec_accept_length` the endpoint answers with, mean over requests) is measured
 before and after, through the endpoint, on two sets nobody trains on: `--measure` prompts of the new distribution
@@ -34,6 +38,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+import ray
+from ray.job_submission import JobSubmissionClient
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -46,17 +52,21 @@ from draftline.data.prepare import load_split, prepare  # noqa: E402
 from draftline.drafter.export import load_drafter  # noqa: E402
 from draftline.raycluster import ensure_ray  # noqa: E402
 from draftline.refresh.run import refresh  # noqa: E402
-from draftline.registry import promote  # noqa: E402
+from draftline.gate import run_gate  # noqa: E402
+from draftline.registry import CHAMPION, alias_version_number, promote  # noqa: E402
 from draftline.serving.control import serve_champion  # noqa: E402
 from draftline.serving.traffic_store import read_records, traffic_dir  # noqa: E402
 from draftline.target.bootstrap import bootstrap_target  # noqa: E402
-from draftline.tracking import GATE_TAG, mlflow_client  # noqa: E402
+from draftline.tracking import GATE_TAG, REFRESH_JOB_TAG, mlflow_client  # noqa: E402
 from refresh_redact import MEASURE_PREFIX  # noqa: E402
 from registry_helpers import mlflow_overrides, register_drafter  # noqa: E402
 
 SEGMENT_HEADER = "x-draftline-segment"
 NEW_SEGMENT = "instructions"  # the replayed traffic, captured
 MAX_TOKENS = 24
+# --via-drift: the drift window spans the measurement requests and most of the replayed ones, so the drift fires
+# once the store holds enough traffic to refresh on.
+DRIFT_WINDOW_REQUESTS = 100
 
 THINGS = ["colors", "fruits", "animals", "cities", "rivers", "tools", "metals", "planets", "trees", "birds",
           "songs", "games", "sports", "drinks", "flowers", "islands"]
@@ -80,25 +90,58 @@ def config(tmp: Path, args):
     return make_test_config(extra=mlflow_overrides(tmp) + SMALL_BENCH + [
         f"serve.port={free_port()}", "serve.max_tokens_limit=32", "serve.ingress_replicas=1",
         "serve.traffic.enabled=true", f"serve.traffic.dir={store}", "serve.traffic.redact=refresh_redact:unmeasured_only",
-        "serve.drift.enabled=false", "bench.concurrency=[1]", "gate.min_rounds=2", "gate.max_rounds=2",
+        "bench.concurrency=[1]", "gate.min_rounds=2", "gate.max_rounds=2",
         "gate.min_speedup=0.01", "gate.min_accept_len=1.0", "gate.max_p99_latency_ratio=100",
         f"train.storage_uri={tmp / 'ray-train'}", "train.num_workers=1", "train.micro_batch_size=8",
         f"train.val_every={args.train_steps}", f"train.checkpoint_every={args.train_steps}",
         f"refresh.min_records={min(20, args.traffic)}", "refresh.held_out_fraction=0.2",
         f"refresh.train_steps={args.train_steps}", "refresh.replay_ratio=1.0",
+        *([f"serve.drift.window_requests={DRIFT_WINDOW_REQUESTS}", "serve.drift.refresh=true"] if args.via_drift
+          else ["serve.drift.enabled=false"]),
     ])
 
 
-def champion(cfg) -> str:
-    """The tests' fitted drafter (built with the tests' own config, so found in their cache), registered with
-    gate=passed and promoted."""
+def champion(cfg, gated: bool) -> str:
+    """The tests' fitted drafter (built with the tests' own config, so found in their cache), registered, gated
+    for real (`gated`, the drift check reads the gate's accept length) or tagged gate=passed, and promoted."""
     tests_cfg = make_test_config()
     target_dir = bootstrap_target(tests_cfg)
-    drafter_dir = quick_drafter(tests_cfg, target_dir, prepare(tests_cfg, target_dir), steps=FITTED_DRAFTER_STEPS)
+    dataset_dir = prepare(tests_cfg, target_dir)
+    drafter_dir = quick_drafter(tests_cfg, target_dir, dataset_dir, steps=FITTED_DRAFTER_STEPS)
     version = register_drafter(cfg, load_drafter(drafter_dir))
-    mlflow_client(cfg).set_model_version_tag(cfg.registered_model_name, version, GATE_TAG, "passed")
+    if gated:
+        decision = run_gate(cfg, version, dataset_dir=dataset_dir)
+        assert decision.passed, f"the champion's gate: {decision.reasons}"
+    else:
+        mlflow_client(cfg).set_model_version_tag(cfg.registered_model_name, version, GATE_TAG, "passed")
     promote(cfg, version)
     return version
+
+
+def refresh_in_process(cfg) -> dict:
+    record = refresh(cfg)
+    return {"version": record.version, "promoted": record.promoted, "traffic_gate": record.traffic_gate,
+            "bench_gate": record.bench_gate, "reasons": record.reasons}
+
+
+def refresh_by_drift(cfg, version: str, job_log: Path, timeout_s: float = 1500) -> dict:
+    """Wait for the Ray job the drift check submitted for `version` (serve.drift.refresh) to end; its log goes to
+    `job_log`."""
+    registry = mlflow_client(cfg)
+    deadline = time.monotonic() + 120
+    while not (job_id := registry.get_model_version(cfg.registered_model_name, version).tags.get(REFRESH_JOB_TAG)):
+        assert time.monotonic() < deadline, f"no {REFRESH_JOB_TAG} tag on version {version} after 120 s: no drift?"
+        time.sleep(2)
+    jobs = JobSubmissionClient(ray.get_runtime_context().gcs_address)
+    deadline = time.monotonic() + timeout_s
+    while not (status := jobs.get_job_status(job_id)).is_terminal():
+        assert time.monotonic() < deadline, f"Ray job {job_id} still {status} after {timeout_s} s"
+        time.sleep(5)
+    logs = jobs.get_job_logs(job_id)
+    job_log.write_text(logs)
+    summary = [line for line in logs.splitlines() if line.startswith(("refresh: version", "[refresh] gate on"))]
+    return {"job": job_id, "status": str(status), "summary": summary or logs[-2000:],
+            "champion_after": alias_version_number(cfg, CHAMPION)}
 
 
 async def send(url: str, prompts: list, segment: str, concurrency: int = 2) -> list[dict]:
@@ -158,6 +201,8 @@ def main() -> None:
     parser.add_argument("--traffic", type=int, default=80, help="distinct prompts of the new distribution replayed")
     parser.add_argument("--measure", type=int, default=24, help="prompts of each measured set")
     parser.add_argument("--train-steps", type=int, default=60)
+    parser.add_argument("--via-drift", action="store_true",
+                        help="the refresh is the Ray job the drift check starts (serve.drift.refresh)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "refresh.json"))
     args = parser.parse_args()
     started = time.monotonic()
@@ -167,7 +212,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cfg = config(tmp, args)
-        version_before = champion(cfg)
+        version_before = champion(cfg, gated=args.via_drift)
         url = serve_champion(cfg)
         prompts = instruction_prompts()
         traffic, measure_new = prompts[:args.traffic], prompts[args.traffic:args.traffic + args.measure]
@@ -185,7 +230,7 @@ def main() -> None:
 
         refresh_started = time.monotonic()
         with BackgroundClient(url, traffic) as background:
-            record = refresh(cfg)
+            done = refresh_by_drift(cfg, version_before, Path(args.out).with_suffix(".job.log")) if args.via_drift else refresh_in_process(cfg)
         refresh_s = time.monotonic() - refresh_started
         load_after = psutil.getloadavg()
         after = {"new": asyncio.run(send(url, measure_new, MEASURE_PREFIX + "new")),
@@ -196,10 +241,8 @@ def main() -> None:
     result = {
         "accept_length": {side: {name: accept_length(rs) for name, rs in sets.items()}
                           for side, sets in (("before", before), ("after", after))},
-        "versions": {"before": version_before, "after": sorted({r["version"] for r in after["new"] if "version" in r}),
-                     "refreshed": record.version},
-        "refresh": {"promoted": record.promoted, "traffic_gate": record.traffic_gate, "bench_gate": record.bench_gate,
-                    "reasons": record.reasons, "seconds": round(refresh_s, 1)},
+        "versions": {"before": version_before, "after": sorted({r["version"] for r in after["new"] if "version" in r})},
+        "refresh": {**done, "seconds": round(refresh_s, 1)},
         "requests": {"total": len(every), "failed": len(failed), "failures": failed[:5],
                      "background_during_refresh": len(background.results),
                      "background_versions": sorted({r["version"] for r in background.results if "version" in r})},

@@ -50,9 +50,9 @@ from conftest import FITTED_DRAFTER_STEPS, SMALL_BENCH, free_port, make_test_con
 from draftline.bench.quick_drafter import quick_drafter  # noqa: E402
 from draftline.data.prepare import load_split, prepare  # noqa: E402
 from draftline.drafter.export import load_drafter  # noqa: E402
+from draftline.gate import run_gate  # noqa: E402
 from draftline.raycluster import ensure_ray  # noqa: E402
 from draftline.refresh.run import refresh  # noqa: E402
-from draftline.gate import run_gate  # noqa: E402
 from draftline.registry import CHAMPION, alias_version_number, promote  # noqa: E402
 from draftline.serving.control import serve_champion  # noqa: E402
 from draftline.serving.traffic_store import read_records, traffic_dir  # noqa: E402
@@ -89,7 +89,8 @@ def config(tmp: Path, args):
     store = tmp / "traffic"
     return make_test_config(extra=mlflow_overrides(tmp) + SMALL_BENCH + [
         f"serve.port={free_port()}", "serve.max_tokens_limit=32", "serve.ingress_replicas=1",
-        "serve.traffic.enabled=true", f"serve.traffic.dir={store}", "serve.traffic.redact=refresh_redact:unmeasured_only",
+        "serve.traffic.enabled=true", f"serve.traffic.dir={store}",
+        "serve.traffic.redact=refresh_redact:unmeasured_only",
         "bench.concurrency=[1]", "gate.min_rounds=2", "gate.max_rounds=2",
         "gate.min_speedup=0.01", "gate.min_accept_len=1.0", "gate.max_p99_latency_ratio=100",
         f"train.storage_uri={tmp / 'ray-train'}", "train.num_workers=1", "train.micro_batch_size=8",
@@ -206,7 +207,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "refresh.json"))
     args = parser.parse_args()
     started = time.monotonic()
-    # The capture replica imports the redaction hook from this file: the local cluster's workers get this path.
+    # The capture replica imports the redaction hook from benchmarks/: the local cluster's workers get this path.
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])
     ensure_ray(num_cpus=6)
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -230,7 +231,10 @@ def main() -> None:
 
         refresh_started = time.monotonic()
         with BackgroundClient(url, traffic) as background:
-            done = refresh_by_drift(cfg, version_before, Path(args.out).with_suffix(".job.log")) if args.via_drift else refresh_in_process(cfg)
+            if args.via_drift:
+                done = refresh_by_drift(cfg, version_before, Path(args.out).with_suffix(".job.log"))
+            else:
+                done = refresh_in_process(cfg)
         refresh_s = time.monotonic() - refresh_started
         load_after = psutil.getloadavg()
         after = {"new": asyncio.run(send(url, measure_new, MEASURE_PREFIX + "new")),

@@ -2,9 +2,10 @@
 the traffic store in a tmp dir, the reference engine on the test target).
 
 One app for the module: a registered, promoted, randomly initialised drafter (its accept length is about 1), capture
-on with every request sampled, a drift window of 3 requests, and a drift starting the refresh as a Ray job. The gate's accept length is written to the version's
-gate run the way `draftline gate` writes it (an `accept_length` metric per benched concurrency, the run named by the
-version's gate_run_id tag) instead of running the gate's bench, which would add minutes.
+on with every request sampled, a drift window of 3 requests, and a drift starting the refresh as a Ray job. The
+gate's accept length is written to the version's gate run the way `draftline gate` writes it (an `accept_length`
+metric per benched concurrency, the run named by the version's gate_run_id tag) instead of running the gate's bench,
+which would add minutes.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ workers and the rollout of the running app happen there.
 
 Exactly once per version: the submission id is derived from the registry, the registered model and the version,
 and Ray's job server refuses a second job with the same id, so of the ingress replicas that see the same drift one
-submits and the others find its job. The id is then written on the version (the `refresh_job` tag), which a replica reads first: a
-version that drifts again after the app restarted (drift windows live in memory) starts nothing.
+submits and the others find its job. The id is then written on the version (the `refresh_job` tag), which a replica
+reads first: a version that drifts again after the app restarted (drift windows live in memory) starts nothing.
 """
 
 from __future__ import annotations

@@ -507,6 +507,18 @@ class DriftConfig(Strict):
     margin: float = Field(
         0.1, ge=0, lt=1, description="drift when the window's accept length < gate accept length x (1 - margin)"
     )
+    refresh: bool = Field(
+        False, description="when a version drifts, submit `draftline refresh` as a Ray job to this cluster, once per "
+        "version (needs serve.traffic.enabled: it trains on the captured traffic)"
+    )
+    refresh_promote: bool = Field(
+        True, description="the submitted refresh promotes and rolls a version that passes both gates (false: "
+        "`--no-promote`, it trains and gates only)"
+    )
+    refresh_submit_timeout_s: float = Field(
+        60, gt=0, description="how long an ingress replica tries to submit the refresh job before it gives up and "
+        "counts it failed"
+    )
 
 
 class ServeConfig(Strict):
@@ -546,6 +558,15 @@ class ServeConfig(Strict):
     rollout_timeout_s: float = Field(600, gt=0, description="a rollout waits this long for every replica")
     traffic: TrafficConfig = TrafficConfig()
     drift: DriftConfig = DriftConfig()
+
+    @model_validator(mode="after")
+    def _refresh_on_drift(self) -> "ServeConfig":
+        if self.drift.refresh and not (self.drift.enabled and self.traffic.enabled):
+            off = " and ".join(f"serve.{key}.enabled" for key, on in (("drift", self.drift.enabled),
+                                                                      ("traffic", self.traffic.enabled)) if not on)
+            raise ValueError(f"serve.drift.refresh=true needs {off}: the refresh starts when the drift check fires "
+                             "and trains on the captured traffic; turn it on, or set serve.drift.refresh=false")
+        return self
 
 
 class RefreshConfig(Strict):

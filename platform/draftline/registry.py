@@ -32,6 +32,7 @@ from draftline.tracking import (
     GATE_REASONS_TAG,
     GATE_RUN_TAG,
     GATE_TAG,
+    REFRESH_JOB_TAG,
     mlflow_client,
 )
 from draftline.utils import sha256_file, stable_hash
@@ -194,6 +195,15 @@ def mark_drift(cfg: DraftlineConfig, version: str, detail: dict) -> None:
     # The detail first: whoever sees drift=yes (two separate writes) finds what was measured beside it.
     client.set_model_version_tag(cfg.registered_model_name, version, DRIFT_DETAIL_TAG, json.dumps(detail, sort_keys=True))
     client.set_model_version_tag(cfg.registered_model_name, version, DRIFT_TAG, DRIFT_YES)
+
+
+def refresh_job_of(cfg: DraftlineConfig, version: str) -> Optional[str]:
+    """The submission id of the refresh job a drift of this version started (its `refresh_job` tag), else None."""
+    return mlflow_client(cfg).get_model_version(cfg.registered_model_name, version).tags.get(REFRESH_JOB_TAG)
+
+
+def mark_refresh_job(cfg: DraftlineConfig, version: str, submission_id: str) -> None:
+    mlflow_client(cfg).set_model_version_tag(cfg.registered_model_name, version, REFRESH_JOB_TAG, submission_id)
 
 
 def latest_version(cfg: DraftlineConfig) -> str:

@@ -26,6 +26,7 @@ BENCH_BEST_TAG = "bench_best_config"  # JSON written by `draftline bench --sweep
 DRIFT_TAG = "drift"  # "yes" once serving's live accept length fell below the gate's (serving/drift.py)
 DRIFT_DETAIL_TAG = "drift_detail"  # JSON: live and gate accept length, window, margin, when
 DRIFT_YES = "yes"
+REFRESH_JOB_TAG = "refresh_job"  # the Ray job submission id of the refresh the drift started (serving/refresh_job.py)
 DRAFTER_ARTIFACT_PATH = "drafter"  # a version's source: <run artifacts>/drafter, the export directory
 
 

@@ -2,9 +2,10 @@
 the traffic store in a tmp dir, the reference engine on the test target).
 
 One app for the module: a registered, promoted, randomly initialised drafter (its accept length is about 1), capture
-on with every request sampled, and a drift window of 3 requests. The gate's accept length is written to the version's
-gate run the way `draftline gate` writes it (an `accept_length` metric per benched concurrency, the run named by the
-version's gate_run_id tag) instead of running the gate's bench, which would add minutes.
+on with every request sampled, a drift window of 3 requests, and a drift starting the refresh as a Ray job. The
+gate's accept length is written to the version's gate run the way `draftline gate` writes it (an `accept_length`
+metric per benched concurrency, the run named by the version's gate_run_id tag) instead of running the gate's bench,
+which would add minutes.
 """
 
 from __future__ import annotations
@@ -18,16 +19,28 @@ import time
 import httpx
 import mlflow
 import pytest
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 from conftest import free_port
 from draftline.serving.control import capture_replicas
+from draftline.serving.refresh_job import refresh_submission_id
 from draftline.serving.traffic_capture import TrafficCapture
 from draftline.serving.traffic_store import read_records, shard_paths, traffic_dir
-from draftline.tracking import DRIFT_DETAIL_TAG, DRIFT_TAG, GATE_RUN_TAG, GATE_TAG, mlflow_client, setup_mlflow
+from draftline.tracking import (
+    DRIFT_DETAIL_TAG,
+    DRIFT_TAG,
+    GATE_RUN_TAG,
+    GATE_TAG,
+    REFRESH_JOB_TAG,
+    mlflow_client,
+    setup_mlflow,
+)
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
 from serve_helpers import start_serving, stop_serving
 
 GATE_ACCEPT_LENGTH = 3.0
+# Above what the module captures: the refresh job a drift starts stops at its first check, having trained nothing.
+REFRESH_MIN_RECORDS = 1000
 SEGMENT_HEADER = "x-draftline-segment"
 
 
@@ -39,6 +52,7 @@ def served(ray_cluster, tmp_path_factory, tiny_target_dir):
     cfg = mlflow_test_config(tmp_path, [
         f"serve.port={free_port()}", "serve.max_tokens_limit=16", "serve.traffic.enabled=true",
         f"serve.traffic.dir={tmp_path / 'traffic'}", "serve.drift.window_requests=3", "serve.drift.margin=0.2",
+        "serve.drift.refresh=true", f"refresh.min_records={REFRESH_MIN_RECORDS}",
     ])
     version = register_drafter(cfg, random_drafter(tiny_target_dir, seed=1), {GATE_TAG: "passed"})
     setup_mlflow(cfg)
@@ -131,6 +145,32 @@ def test_live_accept_length_below_the_gate_tags_the_version_drift_yes(served):
     assert detail["gate_accept_length"] == GATE_ACCEPT_LENGTH and detail["window_requests"] == 3
     assert detail["live_accept_length"] < GATE_ACCEPT_LENGTH * (1 - 0.2)
     assert _exported_counter("draftline_live_verify_steps", 'segment="drift"', at_least=1) >= 1
+
+
+def test_the_drift_started_the_refresh_as_one_ray_job(served, ray_cluster):
+    """serve.drift.refresh: the drift (the test above) submitted `draftline refresh` as a real Ray job to the session
+    cluster, once for the version however many ingress replicas saw it drift, and wrote the job's id on the version.
+    The job runs the real refresh command on the app's config and traffic store; refresh.min_records is set above
+    what the module captures, so it stops at its first check, naming the store (the refresh itself, training
+    included, is tests/integration/test_refresh.py)."""
+    cfg, _, version = served
+    client = mlflow_client(cfg)
+    deadline = time.monotonic() + 120
+    while not (tags := client.get_model_version(cfg.registered_model_name, version).tags).get(REFRESH_JOB_TAG):
+        assert time.monotonic() < deadline, f"version {version} got no {REFRESH_JOB_TAG} tag: tags {tags}"
+        time.sleep(1)
+    job_id = tags[REFRESH_JOB_TAG]
+    assert job_id == refresh_submission_id(cfg, version)
+    jobs = JobSubmissionClient(ray_cluster.get_runtime_context().gcs_address)
+    deadline = time.monotonic() + 300
+    while not (status := jobs.get_job_status(job_id)).is_terminal():
+        assert time.monotonic() < deadline, f"Ray job {job_id} still {status} after 300 s"
+        time.sleep(2)
+    logs = jobs.get_job_logs(job_id)
+    assert status == JobStatus.FAILED, logs[-3000:]
+    assert f"refresh.min_records is {REFRESH_MIN_RECORDS}" in logs and str(traffic_dir(cfg)) in logs, logs[-3000:]
+    assert jobs.get_job_info(job_id).metadata["draftline_version"] == version
+    assert _exported_counter("draftline_refresh_jobs", 'outcome="submitted"', at_least=1) == 1
 
 
 def test_a_killed_capture_actor_fails_no_request_and_loses_no_record_uncounted(served):

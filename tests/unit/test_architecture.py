@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("release", {"release"}),  # a rollout: moves the registry's aliases and rolls serving
     ("pipeline", {"pipeline", "report"}),
     ("refresh", {"refresh"}),  # the pipeline's stages again, on captured traffic
-    ("commands", {"cli", "commands"}),
+    ("commands", {"cli", "commands", "__main__"}),  # __main__: `python -m draftline`, the CLI
 ]
 
 # (importer, imported) -> why the import sits inside a function

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import stat
+import sys
 import time
 
 import pytest
+import yaml
 
 from draftline.cli import main
 from draftline.commands.traffic import parse_duration_s
+from draftline.config import ConfigError, load_config
 from draftline.serving.drift import DriftMonitor
+from draftline.serving.refresh_job import JOB_CONFIG_FILE, job_config, job_entrypoint
 from draftline.serving.traffic_store import ShardWriter, purge, read_records, scan_store, shard_paths, trim_to_size
 
 
@@ -155,6 +160,24 @@ def test_drift_waits_for_the_gate_value_and_never_fires_for_a_version_the_gate_d
     assert monitor.knows_gate("8") and [monitor.observe("8", 1.0) for _ in range(5)] == [None] * 5
     monitor.set_gate("8", 2.0)  # the answer arrives: the window filled meanwhile is judged at once
     assert monitor.judge("8") is not None and monitor.observe("8", 1.0) is None
+
+
+def test_a_refresh_on_drift_needs_capture_and_its_job_runs_on_the_apps_config_and_store(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="serve.drift.refresh=true needs serve.traffic.enabled"):
+        load_config(None, ["serve.drift.refresh=true"])
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["serve.drift.refresh=true", "serve.traffic.enabled=true", "data_dir=./data",
+                             "serve.traffic.dir=./store"])
+    written = tmp_path / JOB_CONFIG_FILE
+    written.write_text(yaml.safe_dump(job_config(cfg)))
+    monkeypatch.chdir(tmp_path.parent)  # the job's working directory is not the app's
+    loaded = load_config(written)
+    assert loaded.data_path() == tmp_path / "data" and loaded.serve.traffic.dir == str(tmp_path / "store")
+    assert loaded.model_dump(exclude={"data_dir": True, "serve": {"traffic": {"dir"}}}) == cfg.model_dump(
+        exclude={"data_dir": True, "serve": {"traffic": {"dir"}}})
+    assert shlex.split(job_entrypoint(promote=True)) == [sys.executable, "-m", "draftline", "refresh", "--config",
+                                                         JOB_CONFIG_FILE]
+    assert shlex.split(job_entrypoint(promote=False))[-1] == "--no-promote"
 
 
 def test_durations():

@@ -3,7 +3,7 @@
 Each ingress replica keeps, per served version, the accept lengths of its last `serve.drift.window_requests`
 finished requests. When the window is full and its mean is below the gate's accept length x (1 - serve.drift.margin),
 the version drifted: the ingress tags it `drift=yes` on the MLflow version, sets the draftline_drift gauge and logs
-a line, once per version and replica. Starting a refresh from it is not done here.
+a line, once per version and replica; with serve.drift.refresh it also starts the refresh (serving/refresh_job.py).
 """
 
 from __future__ import annotations

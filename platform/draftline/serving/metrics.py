@@ -136,6 +136,12 @@ class LiveAcceptMetrics:
             description="1 once the version's live accept length fell below the gate's by serve.drift.margin",
             tag_keys=("model_version",),
         )
+        self.refresh_jobs = Counter(
+            "draftline_refresh_jobs",
+            description="refresh jobs a drift started (serve.drift.refresh), by outcome: submitted, "
+            "already_submitted (by another ingress replica, or before), failed (not submitted in time)",
+            tag_keys=("model_version", "outcome"),
+        )
 
     def record(self, model_version: str, segment: str, stats: SpecStats) -> None:
         tags = {"model_version": model_version, "segment": segment}
@@ -148,6 +154,9 @@ class LiveAcceptMetrics:
 
     def record_drift(self, model_version: str) -> None:
         self.drift.set(1, tags={"model_version": model_version})
+
+    def record_refresh_job(self, model_version: str, outcome: str) -> None:
+        self.refresh_jobs.inc(1, tags={"model_version": model_version, "outcome": outcome})
 
 
 class TrafficMetrics:

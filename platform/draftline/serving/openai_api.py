@@ -52,6 +52,7 @@ from draftline.serving.openai_schema import (
     Usage,
     new_request_id,
 )
+from draftline.serving.refresh_job import FAILED, SUBMITTED, submit_refresh_job
 from draftline.serving.traffic_capture import TrafficRecorder
 from draftline.target.load import resolve_target_dir
 from draftline.target.reasoning import ReasoningStream
@@ -654,6 +655,8 @@ class Ingress:
                        "%.3f by more than serve.drift.margin=%g; tagging it drift=yes", drift.model_version,
                        drift.live_accept_length, drift.window_requests, drift.gate_accept_length, drift.margin)
         self._in_background(self._tag_drift(drift))
+        if self._cfg.serve.drift.refresh:
+            self._in_background(self._start_refresh(drift.model_version))
 
     def _in_background(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -677,6 +680,26 @@ class Ingress:
             await asyncio.to_thread(mark_drift, self._cfg, drift.model_version, drift.detail())
         except Exception:  # noqa: BLE001 - the metric and the log line stand; the tag is best effort
             logger.exception("drift check: could not tag version %s drift=yes", drift.model_version)
+
+    async def _start_refresh(self, version: str) -> None:
+        timeout_s = self._cfg.serve.drift.refresh_submit_timeout_s
+        try:
+            # The submission's own deadline ends its tries; the wait's, 1 s later, a call that hangs (the thread
+            # is then left to finish on its own).
+            job = await asyncio.wait_for(
+                asyncio.to_thread(submit_refresh_job, self._cfg, version, time.monotonic() + timeout_s), timeout_s + 1)
+        except Exception as err:  # noqa: BLE001 - serving goes on; the metric and the log line say it failed
+            self._live.record_refresh_job(version, FAILED)
+            logger.error("drift: could not start the refresh of version %s within serve.drift.refresh_submit_timeout_s"
+                         "=%g s (%s); start it by hand: `draftline refresh -c CONFIG`", version, timeout_s,
+                         str(err) or type(err).__name__)
+            return
+        self._live.record_refresh_job(version, job.outcome)
+        if job.outcome == SUBMITTED:
+            logger.warning("drift: started the refresh of version %s as Ray job %s (`ray job logs %s`); tagged "
+                           "refresh_job on the version", version, job.submission_id, job.submission_id)
+        else:
+            logger.info("drift: the refresh of version %s was started already (Ray job %s)", version, job.submission_id)
 
     def _common(self, prepared: _Prepared, served: dict) -> dict:
         version = ServedVersion(**served)

@@ -230,7 +230,34 @@ def _start_reaper(address: str) -> None:
     _reaper = reaper.spawn("cluster", address.rsplit(":", 1)[1])
 
 
+@contextlib.contextmanager
+def _own_dashboard_agent_port(ray) -> Iterator[None]:
+    """A free port for the local cluster's dashboard agent. Ray binds it to 52365 whatever else runs, and ray.init
+    has no parameter for it: a second local cluster on the machine (another user's `draftline run`, a second test
+    worker) gets an agent whose HTTP server failed to bind, so its cluster takes no Ray job ("No available agent to
+    submit job") and exports no metrics. RayParams, which ray.init builds, takes the port."""
+    params_module = ray._private.parameter
+    original = params_module.RayParams
+    port = free_port()
+
+    class RayParamsWithAgentPort(original):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("dashboard_agent_listen_port", port)
+            super().__init__(*args, **kwargs)
+
+    params_module.RayParams = RayParamsWithAgentPort
+    try:
+        yield
+    finally:
+        params_module.RayParams = original
+
+
 def _init_local(ray, num_cpus: int | None, pythonpath: str) -> None:
+    with _own_dashboard_agent_port(ray):
+        _init_local_cluster(ray, num_cpus, pythonpath)
+
+
+def _init_local_cluster(ray, num_cpus: int | None, pythonpath: str) -> None:
     ray.init(
         address="local",
         num_cpus=num_cpus,

@@ -223,3 +223,30 @@ def test_a_killed_driver_takes_its_local_cluster_along(listening_driver):
     listening = {c.pid for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
     assert [(p.pid, p.name()) for p in alive if p.pid in listening] == []
     assert [(p.pid, p.name()) for p in alive] == []
+
+
+SECOND_CLUSTER = """
+import time
+import ray
+from ray.job_submission import JobSubmissionClient
+from draftline.raycluster import ensure_ray
+ensure_ray(num_cpus=1)
+client = JobSubmissionClient(ray.get_runtime_context().gcs_address)
+job = client.submit_job(entrypoint="python -c 'print(6 * 7)'")
+deadline = time.monotonic() + 180
+while not client.get_job_status(job).is_terminal():
+    assert time.monotonic() < deadline, f"job {job} still {client.get_job_status(job)} after 180 s"
+    time.sleep(1)
+print(client.get_job_status(job))
+print(client.get_job_logs(job).strip().splitlines()[-1])
+"""
+
+
+def test_a_second_local_cluster_on_the_machine_takes_ray_jobs(ray_cluster):
+    """Beside this session's local cluster, another process's `ensure_ray` starts its own and submits a Ray job to it.
+    Ray binds every local cluster's dashboard agent to port 52365: the second agent's HTTP server failed to bind, and
+    its cluster refused every job ("No available agent to submit job") and exported no metrics."""
+    run = subprocess.run([sys.executable, "-c", SECOND_CLUSTER], capture_output=True, text=True, timeout=400,
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.strip().splitlines()[-2:] == ["SUCCEEDED", "42"], run.stdout[-2000:]

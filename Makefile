@@ -12,7 +12,9 @@ PYTEST_ARGS ?=
 # Test processes: most of the suite waits (servers, Ray actors, health checks), so two share 2 cores well (38 -> 26
 # minutes measured); each test file runs whole in one process, with its own local Ray cluster (tests/conftest.py).
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+# --max-worker-restart=0: a test process that dies ends the run with its report; with a replacement worker, xdist's
+# loadfile scheduler and its workers were seen waiting on each other forever after the last file.
+PYTEST_PARALLEL := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart=0)
 
 # SGLang's own argument code (CPU, no GPU packages), for check-sglang-args and the SGLang tests.
 SGLANG_ROOT ?= .sglang

@@ -266,7 +266,7 @@ def test_sglang_preflight_knows_what_each_release_captures_for_gemma3(tmp_path):
     """Every SGLang release `make sglang` keeps (.sglang/wheels, 0.5.6 to 0.5.23): the preflight's TARGET_CAPTURE
     table against the release's own gemma3_causal.py, and its finding on a Gemma 3 target with a draftline drafter."""
     from draftline.engines.sglang.preflight import preflight
-    from draftline.engines.sglang.rules import TARGET_CAPTURE, parse_version
+    from draftline.engines.sglang.rules import target_capture
 
     wheels = sorted((REPO / ".sglang" / "wheels").glob("sglang-*.whl"))
     assert len(wheels) >= 20, f"run `make sglang`: {len(wheels)} wheels in .sglang/wheels"
@@ -278,8 +278,7 @@ def test_sglang_preflight_knows_what_each_release_captures_for_gemma3(tmp_path):
     for wheel in wheels:
         version = wheel.name.split("-")[1]
         captured = _gemma3_capture_in(read_wheel_file(wheel, "sglang/srt/models/gemma3_causal.py"))
-        table = next(what for first, before, what in TARGET_CAPTURE["Gemma3ForCausalLM"]
-                     if parse_version(first) <= parse_version(version) and (before is None or parse_version(version) < parse_version(before)))  # fmt: skip
+        table = target_capture("Gemma3ForCausalLM", version)
         assert table == captured, f"SGLang {version}'s gemma3_causal.py captures {captured}, the table says {table}"
         argv = ["python", "-m", "sglang.launch_server", "--model-path", str(tmp_path / "target"), "--speculative-algorithm",
                 "EAGLE3", "--speculative-draft-model-path", str(tmp_path / "draft"), "--speculative-num-steps", "3",

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 from draftline.config import SpeculativeConfig
-from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version
+from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version, version_in
 from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
 from draftline.target.aux_layers import AuxLayerIdError, capture_ids_from_written, family_of
 
@@ -104,10 +104,7 @@ class VersionBehaviour:
     checks_draft_window: bool  # ServerArgs refuses a non-positive --speculative-draft-window-size
 
     def covers(self, version: str) -> bool:
-        v = parse_version(version)
-        return parse_version(self.first_version) <= v and (
-            self.before_version is None or v < parse_version(self.before_version)
-        )
+        return version_in(version, self.first_version, self.before_version)
 
 
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
@@ -976,11 +973,14 @@ TARGET_CAPTURE: dict[str, tuple[tuple[str, Optional[str], str], ...]] = {
 }
 
 
+def target_capture(architecture: str, version: str) -> str:
+    """What SGLang `version` captures as EAGLE-3 aux states for `architecture` (a TARGET_CAPTURE key)."""
+    return next(what for first, before, what in TARGET_CAPTURE[architecture] if version_in(version, first, before))
+
+
 def _target_capture(ctx: Context, architecture: str, flags: list[str]) -> Iterator[Finding]:
     ranges = TARGET_CAPTURE[architecture]
-    v = parse_version(ctx.version)
-    captured = next(what for first, before, what in ranges
-                    if parse_version(first) <= v and (before is None or v < parse_version(before)))  # fmt: skip
+    captured = target_capture(architecture, ctx.version)
     good = " or ".join(f"{first}-{before}" if before else f"{first}+" for first, before, what in ranges if what == "stream")
     fix = f"serve this target with SGLang {good} (or draftline's reference engine)"
     if captured == "none":

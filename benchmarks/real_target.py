@@ -2,6 +2,7 @@
 
     python benchmarks/real_target.py curve --conversations FILE --tokens 10000,20000,40000,80000 [KEY=VALUE ...]
     python benchmarks/real_target.py ab --conversations FILE --tokens 40000 --variant NAME:KEY=VALUE[,KEY=VALUE] ...
+    python benchmarks/real_target.py measure --drafter DRAFTERS_DIR/HASH [--dataset DATASET_DIR] [KEY=VALUE ...]
 
 FILE: the target's own conversations (regenerate's conversations.jsonl, or the shards it finished). Every point
 trains on the first N reply tokens of the conversations in training order (by id hash, so a smaller point's data is
@@ -13,6 +14,11 @@ on MT-bench (first --questions questions, both turns, turn 2 after the target's 
 build (accept length and per-position acceptance from vLLM's own counters) and/or the reference engine, at the
 config's chain (3/1/4 by default).
 Rows go to --out as they finish (one JSON object per point), with the machine's load average at the start and end.
+
+`measure` takes a drafter a run already trained (`<data_dir>/drafters/<hash>`, e.g. from `draftline run` on the
+config) and measures it the same way on MT-bench and, with --dataset, on the first --bench-prompts prompts of that
+dataset's own bench split (the training distribution, never trained on), beside the estimate its val accuracies give
+at the served chain length: est = 1 + a0 + a0*a1 + ... over the config's num_steps.
 """
 
 from __future__ import annotations
@@ -153,6 +159,51 @@ def run_point(name: str, records: list[dict], tokens: int, overrides: list[str],
     }  # fmt: skip
 
 
+def chain_estimate(metrics: dict, num_steps: int) -> float | None:
+    """The accept length val's acc_k predict for a chain of num_steps drafts (acceptance independent per position)."""
+    accs = [metrics.get(f"val_acc_{k}") for k in range(num_steps)]
+    if any(a is None for a in accs):
+        return None
+    total, reach = 1.0, 1.0
+    for acc in accs:
+        reach *= acc
+        total += reach
+    return round(total, 4)
+
+
+def measure(args) -> dict:
+    """A trained drafter on MT-bench and on its dataset's bench split, beside val's estimate at the served chain."""
+    from transformers import AutoTokenizer
+
+    from draftline.bench.prompts import load_bench_prompts
+    from draftline.target.load import resolve_target_dir
+    from draftline.utils import read_json
+
+    load_start = os.getloadavg()
+    cfg = load_config(CONFIG, [f"data_dir={args.data_dir}", *args.overrides])
+    target_dir = resolve_target_dir(cfg)
+    result = read_json(args.drafter / "train_result.json")
+    metrics = result.get("metrics", {})
+    steps = cfg.engine.speculative.num_steps
+    row = {"name": f"measure-{args.drafter.name}", "drafter": str(args.drafter), "overrides": args.overrides,
+           "best_step": result.get("best_step"), "val_acc": [metrics.get(f"val_acc_{k}") for k in range(steps)],
+           "val_est_accept_len_served_chain": chain_estimate(metrics, steps),
+           "spec": f"{steps}/{cfg.engine.speculative.eagle_topk}/{cfg.engine.speculative.num_draft_tokens}"}
+    export_dir = args.drafter / "drafter"
+    prompts = mt_bench_prompts(cfg, target_dir, args.questions)
+    row["mt_bench"] = [{"questions": args.questions, **asyncio.run(mt_bench(cfg, target_dir, export_dir, prompts, b))}
+                       for b in args.engines.split(",")]  # fmt: skip
+    if args.dataset:
+        split_cfg = cfg.model_copy(update={"bench": cfg.bench.model_copy(update={"num_prompts": args.bench_prompts})})
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        split = load_bench_prompts(split_cfg, tokenizer, dataset_dir=args.dataset)
+        row["bench_split"] = [{"dataset": str(args.dataset), **asyncio.run(mt_bench(cfg, target_dir, export_dir, split, b))}
+                              for b in args.engines.split(",")]  # fmt: skip
+    row["load_avg_start"] = [round(x, 1) for x in load_start]
+    row["load_avg_end"] = [round(x, 1) for x in os.getloadavg()]
+    return row
+
+
 def append(out: Path, row: dict) -> None:
     with open(out, "a") as handle:
         handle.write(json.dumps(row) + "\n")
@@ -161,9 +212,12 @@ def append(out: Path, row: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["curve", "ab"])
-    parser.add_argument("--conversations", required=True, type=Path, help="conversations.jsonl or a shards/ directory")
-    parser.add_argument("--tokens", required=True, help="reply tokens per point, comma-separated")
+    parser.add_argument("mode", choices=["curve", "ab", "measure"])
+    parser.add_argument("--conversations", type=Path, help="curve/ab: conversations.jsonl or a shards/ directory")
+    parser.add_argument("--tokens", help="curve/ab: reply tokens per point, comma-separated")
+    parser.add_argument("--drafter", type=Path, help="measure: a trained drafter's directory, <data_dir>/drafters/<hash>")
+    parser.add_argument("--dataset", type=Path, help="measure: also bench the prepared dataset's own bench split")
+    parser.add_argument("--bench-prompts", type=int, default=24, help="measure: prompts of the bench split")
     parser.add_argument("--val-from", type=Path, help="take the val conversations from these conversations (a file "
                         "or shards/ directory) instead: one val set for points run while regenerate adds shards")
     parser.add_argument("--variant", action="append", default=[], help="ab: NAME:KEY=VALUE[,KEY=VALUE...]")
@@ -173,6 +227,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/real_target.jsonl"))
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
+    if args.mode == "measure":
+        if args.drafter is None:
+            parser.error("measure needs --drafter <data_dir>/drafters/<hash>")
+        append(args.out, measure(args))
+        return 0
+    if args.conversations is None or args.tokens is None:
+        parser.error(f"{args.mode} needs --conversations and --tokens")
     records = read_records(args.conversations)
     sizes = [int(t) for t in args.tokens.split(",")]
     if args.mode == "curve":

@@ -105,13 +105,17 @@ def _submit(cluster, *args, env=None, timeout=1500) -> subprocess.CompletedProce
     return subprocess.run(cmd, cwd=REPO, env=env or cluster["env"], capture_output=True, text=True, timeout=timeout)
 
 
+# The gate's wall-clock speedup is a measurement, not this test's subject (tests/integration/test_gate_runs.py
+# checks the verdicts): at load 15-20 two rounds gave 0.59x [0.33, 0.91] for a drafter whose accept length is above
+# 2, inconclusive against 0.5x; at load 30-55, [0.25, ...]. A floor of 0.2x still fails a pathologically slow
+# speculative engine.
+MIN_SPEEDUP = 0.2
+
+
 def _pipeline_args(data_dir, port) -> list[str]:
-    # The gate's wall-clock speedup is a measurement, not this test's subject (tests/integration/test_gate_runs.py
-    # checks the verdicts): at load 15-20 two rounds gave 0.59x [0.33, 0.91] for a drafter whose accept length is
-    # above 2, inconclusive against 0.5x. A floor of 0.2x still fails a pathologically slow speculative engine.
     # 100 training steps, not the demo's 300: on the tests' target val acc_0 was 0.75 at step 50 and 1.0 from step 100
     # on (est accept length 4.1, then 8.0), well past this test's thresholds; the last 200 steps cost minutes at load.
-    return ["--config", CONFIG, *TEST_OVERRIDES, f"data_dir={data_dir}", f"serve.port={port}", "gate.min_speedup=0.2",
+    return ["--config", CONFIG, *TEST_OVERRIDES, f"data_dir={data_dir}", f"serve.port={port}", f"gate.min_speedup={MIN_SPEEDUP}",
             "gate.min_rounds=2", "gate.max_rounds=2", "train.max_steps=100"]  # fmt: skip
 
 
@@ -177,7 +181,7 @@ def test_tiny_pipeline_as_a_ray_job_then_reruns(submit_cluster, tiny_target_dir,
     assert gate["bench"]["accept_length"] > 1.5
     assert gate["rounds"] == 2 and gate["verdict"] == "passed"
     low, high = gate["intervals"]["speedup@1"]
-    assert 0.5 <= low <= gate["bench"]["speedup"] <= high  # passed = the interval's lower bound clears min_speedup
+    assert MIN_SPEEDUP <= low <= gate["bench"]["speedup"] <= high  # passed = the interval's lower bound clears the floor
     assert gate["machine_load"]["cpu_count"] >= 1
     assert summary["promote"]["outputs"] == {"promoted": True, "version": gate["version"]}
 

@@ -159,23 +159,12 @@ def run_point(name: str, records: list[dict], tokens: int, overrides: list[str],
     }  # fmt: skip
 
 
-def chain_estimate(metrics: dict, num_steps: int) -> float | None:
-    """The accept length val's acc_k predict for a chain of num_steps drafts (acceptance independent per position)."""
-    accs = [metrics.get(f"val_acc_{k}") for k in range(num_steps)]
-    if any(a is None for a in accs):
-        return None
-    total, reach = 1.0, 1.0
-    for acc in accs:
-        reach *= acc
-        total += reach
-    return round(total, 4)
-
-
 def measure(args) -> dict:
     """A trained drafter on MT-bench and on its dataset's bench split, beside val's estimate at the served chain."""
     from transformers import AutoTokenizer
 
     from draftline.bench.prompts import load_bench_prompts
+    from draftline.drafter.ttt import est_accept_len
     from draftline.target.load import resolve_target_dir
     from draftline.utils import read_json
 
@@ -185,9 +174,14 @@ def measure(args) -> dict:
     result = read_json(args.drafter / "train_result.json")
     metrics = result.get("metrics", {})
     steps = cfg.engine.speculative.num_steps
+    missing = [f"val_acc_{k}" for k in range(steps) if f"val_acc_{k}" not in metrics]
+    if missing:
+        raise SystemExit(f"{args.drafter}/train_result.json has no {missing}: trained with fewer TTT steps than the "
+                         f"served chain's {steps}; set engine.speculative.num_steps to at most train.ttt_steps")
+    val_acc = [metrics[f"val_acc_{k}"] for k in range(steps)]
     row = {"name": f"measure-{args.drafter.name}", "drafter": str(args.drafter), "overrides": args.overrides,
-           "best_step": result.get("best_step"), "val_acc": [metrics.get(f"val_acc_{k}") for k in range(steps)],
-           "val_est_accept_len_served_chain": chain_estimate(metrics, steps),
+           "best_step": result.get("best_step"), "val_acc": val_acc,
+           "val_est_accept_len_served_chain": round(est_accept_len(val_acc), 4),
            "spec": f"{steps}/{cfg.engine.speculative.eagle_topk}/{cfg.engine.speculative.num_draft_tokens}"}
     export_dir = args.drafter / "drafter"
     prompts = mt_bench_prompts(cfg, target_dir, args.questions)

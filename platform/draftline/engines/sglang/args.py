@@ -37,11 +37,11 @@ def parse_version(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-
 def version_in(version: str, first: str, before: Optional[str]) -> bool:
     """first <= version < before (before None: no upper end), compared as SGLang release numbers."""
     v = parse_version(version)
     return parse_version(first) <= v and (before is None or v < parse_version(before))
+
 
 @dataclass(frozen=True)
 class FlagSpec:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 from draftline.config import SpeculativeConfig
-from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, parse_version, version_in
+from draftline.engines.sglang.args import ArgvItem, FlagTable, ParsedArgv, version_in
 from draftline.engines.sglang.checkpoint import CheckpointInfo, read_checkpoint
 from draftline.target.aux_layers import AuxLayerIdError, capture_ids_from_written, family_of
 

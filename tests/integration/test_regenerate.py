@@ -255,3 +255,24 @@ def test_killed_replica_resumes_without_losing_or_redoing(ray_cluster, tmp_path,
     assert result.shards_total == 15 and ids == expected and result.conversations == len(expected)
     for name, mtime in finished_before_kill.items():
         assert (shards_dir / name).stat().st_mtime_ns == mtime, f"{name} was generated again"
+
+
+def test_replicas_start_the_regenerate_engine_not_the_serving_one(tmp_path):
+    """Built, not started: a vLLM engine needs `make setup-vllm`'s interpreter to be built."""
+    from draftline.data.sources import engine_description
+    from draftline.engines.reference.engine import ReferenceEngine
+    from draftline.engines.vllm.engine import VLLMEngine
+    from draftline.regenerate.run import build_engine
+
+    fake_target_dir = tmp_path / "target"
+    fake_target_dir.mkdir()
+    (fake_target_dir / "config.json").write_text("{}")  # all regenerate reads before it needs the model
+
+    cfg = make_test_config(tmp_path, ["regenerate.engine.backend=vllm", "regenerate.engine.vllm.enforce_eager=true",
+                                      "regenerate.engine.vllm.cpu_threads=1", "engine.backend=reference"])
+    engine = build_engine(cfg, fake_target_dir, 0)
+    assert isinstance(engine, VLLMEngine) and engine.drafter_dir is None
+    assert engine.cfg.engine.vllm.enforce_eager and engine.cfg.engine.vllm.cpu_threads == 1
+    assert engine_description(cfg) == {"backend": "vllm", "device": "cpu"}
+    serving_default = make_test_config(tmp_path, ["engine.backend=reference"])
+    assert isinstance(build_engine(serving_default, fake_target_dir, 0), ReferenceEngine)

@@ -1,6 +1,7 @@
 """Regenerate's input and engine: prompt-only conversations are read and answered after every user turn; zero usable
-conversations is a clear error; the replicas start regenerate.engine (default: the serving engine), and the pipeline
-keys the regenerate stage on that engine alone. No Ray, no engine started."""
+conversations is a clear error; the pipeline keys the regenerate stage on regenerate.engine alone. No Ray, no engine
+started. (That the replicas build regenerate.engine, a vLLM engine, needs `make setup-vllm`'s interpreter: it is in
+tests/integration/test_regenerate.py.)"""
 
 from __future__ import annotations
 
@@ -72,22 +73,6 @@ def test_zero_usable_conversations_is_a_clear_error(tmp_path, fake_target_dir):
     with pytest.raises(NoConversationsError, match=r"no usable conversation in .*src.jsonl: 2 record\(s\) read, "
                                                    r"dropped: malformed=1, no_user=1; first: .*src.jsonl:1: malformed"):
         regenerate(cfg, fake_target_dir)
-
-
-def test_replicas_start_the_regenerate_engine_not_the_serving_one(tmp_path, fake_target_dir):
-    from draftline.engines.reference.engine import ReferenceEngine
-    from draftline.engines.vllm.engine import VLLMEngine
-    from draftline.data.sources import engine_description
-    from draftline.regenerate.run import build_engine
-
-    cfg = make_test_config(tmp_path, ["regenerate.engine.backend=vllm", "regenerate.engine.vllm.enforce_eager=true",
-                                      "regenerate.engine.vllm.cpu_threads=1", "engine.backend=reference"])
-    engine = build_engine(cfg, fake_target_dir, 0)
-    assert isinstance(engine, VLLMEngine) and engine.drafter_dir is None
-    assert engine.cfg.engine.vllm.enforce_eager and engine.cfg.engine.vllm.cpu_threads == 1
-    assert engine_description(cfg) == {"backend": "vllm", "device": "cpu"}
-    serving_default = make_test_config(tmp_path, ["engine.backend=reference"])
-    assert isinstance(build_engine(serving_default, fake_target_dir, 0), ReferenceEngine)
 
 
 def test_regenerate_stage_key_follows_its_own_engine(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -11,6 +12,15 @@ import pytest
 from draftline.utils import free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str):
+    """A script of the repository that is not a package module (benchmarks/, scripts/), imported by its path."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 # A bench of a few short prompts: real accept length, speedup and losslessness in seconds (add bench.concurrency).
 SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16"]

@@ -4,21 +4,12 @@ downloads every release that has a table), so this runs in the integration tier.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
+from conftest import load_script
 from draftline.engines.sglang.args import FLAGS_DIR, available_flag_versions
 from draftline.engines.sglang.real import sglang_root
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_sglang_flags", REPO / "scripts/gen_sglang_flags.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def wheel_of(version: str) -> Path:
@@ -28,7 +19,7 @@ def wheel_of(version: str) -> Path:
 
 
 def test_generator_reproduces_every_committed_table(tmp_path):
-    generator = load_generator()
+    generator = load_script("scripts/gen_sglang_flags.py")
     versions = available_flag_versions()
     assert versions, f"no flag table under {FLAGS_DIR}"
     for version in versions:

@@ -8,7 +8,6 @@ draftline export that draftline's loader and val loop read. The full-size run's 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO
+from conftest import load_script
 from draftline.data.prepare import load_split
 from draftline.drafter.export import export_drafter, load_drafter
 from draftline.extract.shards import HiddenStateShards, build_manifest, num_shards, read_shard_record, write_manifest
@@ -31,10 +30,7 @@ STEPS = 2
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("specforge_side_by_side", REPO / "benchmarks/specforge_side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/specforge_side_by_side.py")
 
 
 def _extract(cfg, target_dir, samples, location: Path) -> HiddenStateShards:

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+from conftest import load_script
 from draftline.config import load_config
 from draftline.utils import split_of
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("real_target", REPO / "benchmarks/real_target.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/real_target.py")
 
 
 def _records(prefix: str, count: int) -> list[dict]:

@@ -22,6 +22,7 @@ def load_script(relative: str):
     spec.loader.exec_module(module)
     return module
 
+
 # A bench of a few short prompts: real accept length, speedup and losslessness in seconds (add bench.concurrency).
 SMALL_BENCH = ["bench.num_prompts=4", "bench.max_new_tokens=16"]
 

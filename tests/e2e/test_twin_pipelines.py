@@ -15,9 +15,12 @@ from draftline.target.bootstrap import bootstrap_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# A short training and a two-round gate.
-TWIN_PIPELINE = ["train.max_steps=80", "gate.min_speedup=0.5", "gate.min_rounds=2", "gate.max_rounds=2",
-                 *SMALL_BENCH]  # fmt: skip
+# A short training and a two-round gate: the gate's threshold is the config's (min accept length 1.8, measured). 40
+# steps where that is plenty: at step 40 the qwen3-30b-a3b twin's drafter had val acc_0 0.96 (est accept length 7.1)
+# and the gemma3-1b twin's measured accept length was 2.33. The kimi-k2.5 twin (MLA, YaRN) learns slower: at step 40,
+# val acc_0 0.73 but a measured accept length of 1.75, under the gate's floor; at 80, val acc_0 0.90.
+TWIN_PIPELINE = ["gate.min_speedup=0.5", "gate.min_rounds=2", "gate.max_rounds=2", *SMALL_BENCH]
+TRAIN_STEPS = {"kimi-k2.5": 80}
 
 
 @pytest.fixture(scope="module", params=["qwen3-30b-a3b", "kimi-k2.5", "gemma3-1b"])
@@ -31,7 +34,7 @@ def test_pipeline_runs_on_the_twin_and_the_gate_records_its_figures(twin, ray_cl
     from draftline.pipeline import run_pipeline
 
     name, _, target_dir = twin
-    cfg = twin_config(name, TWIN_PIPELINE)
+    cfg = twin_config(name, [f"train.max_steps={TRAIN_STEPS.get(name, 40)}", *TWIN_PIPELINE])
     summary = run_pipeline(cfg, from_stage="bootstrap", until="promote")
     assert all(stage["status"] == "ran" for stage in summary.values()), summary
     assert summary["bootstrap"]["outputs"]["target_dir"] == str(target_dir)

@@ -101,17 +101,21 @@ SERVE_PROXY_CALLBACK = "draftline.serving.proxy_replay.middlewares"
 
 
 @contextlib.contextmanager
-def _environment_for_ray_processes(hidden: tuple[str, ...]):
-    """Set what Ray's processes must inherit (a pinned address) and hide what they must not (the serving API token,
-    which only the driver needs: replicas get its hash). Ray's processes are forked during ray.init and keep that
-    environment; the driver's own is restored afterwards.
+def _environment_for_ray_processes(hidden: tuple[str, ...], pythonpath: str):
+    """Set what Ray's processes must inherit (a pinned address, a PYTHONPATH that finds draftline) and hide what they
+    must not (the serving API token, which only the driver needs: replicas get its hash). Ray's processes are forked
+    during ray.init and keep that environment; the driver's own is restored afterwards.
+
+    PYTHONPATH goes through the environment, not a job runtime_env: with one, every worker the raylet starts runs
+    Ray's setup_worker.py first (a second interpreter start and `import ray`) and then execs the real worker.
 
     Also set: Serve's proxy callback, so the HTTP proxy sends a request again when its ingress replica died before
     answering (serving/proxy_replay.py); a callback the user set wins."""
-    with _pinned_local_address() as address, environment_restored(SERVE_PROXY_CALLBACK_ENV, *hidden):
+    with _pinned_local_address() as address, environment_restored(SERVE_PROXY_CALLBACK_ENV, "PYTHONPATH", *hidden):
         for name in hidden:
             os.environ.pop(name, None)
         os.environ.setdefault(SERVE_PROXY_CALLBACK_ENV, SERVE_PROXY_CALLBACK)
+        os.environ["PYTHONPATH"] = pythonpath
         yield address
 
 
@@ -198,8 +202,8 @@ def ensure_ray(cfg: DraftlineConfig | None = None, num_cpus: int | None = None) 
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pythonpath = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH", "")) if p)
     api_token_env = (cfg or DraftlineConfig()).serve.auth_token_env
-    with _environment_for_ray_processes(hidden=(api_token_env,)) as address, _loopback_only_node():
-        _init_local(ray, num_cpus or (cfg.ray.num_cpus if cfg else None), pythonpath)
+    with _environment_for_ray_processes(hidden=(api_token_env,), pythonpath=pythonpath) as address, _loopback_only_node():
+        _init_local(ray, num_cpus or (cfg.ray.num_cpus if cfg else None))
     _start_reaper(address)
     _ray_mode = "local"
     return _ray_mode
@@ -252,12 +256,12 @@ def _own_dashboard_agent_port(ray) -> Iterator[None]:
         params_module.RayParams = original
 
 
-def _init_local(ray, num_cpus: int | None, pythonpath: str) -> None:
+def _init_local(ray, num_cpus: int | None) -> None:
     with _own_dashboard_agent_port(ray):
-        _init_local_cluster(ray, num_cpus, pythonpath)
+        _init_local_cluster(ray, num_cpus)
 
 
-def _init_local_cluster(ray, num_cpus: int | None, pythonpath: str) -> None:
+def _init_local_cluster(ray, num_cpus: int | None) -> None:
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -265,8 +269,7 @@ def _init_local_cluster(ray, num_cpus: int | None, pythonpath: str) -> None:
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
-        # The token reaches Ray's processes through the inherited environment, never through the runtime env
-        # (which the dashboard shows).
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        # The token and PYTHONPATH reach Ray's processes through the inherited environment, not a runtime env
+        # (_environment_for_ray_processes).
         log_to_driver=True,
     )

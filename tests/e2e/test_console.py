@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 # The run goes on through a short training (2 validation steps), whose progress must reach a terminal that is not one.
-TRAIN = ["train.max_steps=20", "train.val_every=10", "train.checkpoint_every=10"]
+TRAIN = ["train.max_steps=4", "train.val_every=2", "train.checkpoint_every=2"]
 STAGE_ARGS = {
     "run": ["run", "--from", "extract", "--until", "train"],
     "extract": ["extract"],
@@ -74,7 +74,7 @@ def test_a_stage_keeps_ray_noise_in_its_log_and_shows_each_line_once(command, ti
     assert "[extract] train:" in this_run
     if command == "run":
         progress = [line for line in lines if line.startswith("[train] step ")]
-        assert [line.split(" loss ")[0] for line in progress] == ["[train] step 10/20", "[train] step 20/20"], lines
+        assert [line.split(" loss ")[0] for line in progress] == ["[train] step 2/4", "[train] step 4/4"], lines
         assert "Checkpoint successfully created" in (logs / "train.log").read_text() + (logs / RUN_LOG).read_text()
 
 

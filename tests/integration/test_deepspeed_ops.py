@@ -40,3 +40,27 @@ def test_a_killed_holder_of_the_build_lock_does_not_stop_the_next_init(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"removed a stale DeepSpeed build lock {lock}" in done.stderr + done.stdout
     assert not lock.exists()
+
+
+def test_a_caller_whose_path_finds_another_ninja_does_not_rebuild_the_op(tmp_path):
+    """torch runs the first `ninja` on PATH. Two ninja versions (the system's, and DeepSpeed's own beside the venv's
+    interpreter) read each other's build log as invalid and rebuild the op from scratch: before the fix a Ray job whose
+    PATH put the venv first rebuilt what `make setup` had built (minutes of two compilers), while every other
+    DeepSpeed init waited for the lock. Loads from callers with either PATH must find the op built."""
+    assert ensure_shm_comm_op() is not None
+    cache = tmp_path / "cache"
+    shutil.copytree(extensions_dir(), cache / "torch_extensions" / extensions_dir().name)
+    library = cache / "torch_extensions" / extensions_dir().name / OP_NAME / f"{OP_NAME}.so"
+    venv_first = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    system_only = os.pathsep.join(["/usr/bin", "/bin"])
+
+    def load(path: str) -> int:
+        env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PATH": path}
+        done = subprocess.run([sys.executable, "-m", "draftline.train.deepspeed_ops"], env=env, capture_output=True,
+                              text=True, timeout=900)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return library.stat().st_mtime_ns
+
+    built = load(venv_first)  # rebuilds only an op built by another ninja before this fix
+    assert load(system_only) == built, "a caller whose PATH finds the system's ninja rebuilt the op"
+    assert load(venv_first) == built, "a caller whose PATH finds the venv's ninja rebuilt the op"

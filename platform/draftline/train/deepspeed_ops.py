@@ -8,7 +8,11 @@ it behind, and every later DeepSpeed init on the machine then waits for it forev
   and otherwise at the first training run, so two installations never rebuild into one directory in turn;
 - takes its own lock around the load (an fcntl lock, which the kernel releases when its holder dies however it dies),
   so a torch lock file found while holding it has no live owner: it is reported and removed;
-- waits for that lock under a deadline whose error names the lock and its holder.
+- waits for that lock under a deadline whose error names the lock and its holder;
+- builds with the installation's own ninja (DeepSpeed's dependency, beside the interpreter), whatever the caller's PATH:
+  torch runs the first `ninja` on PATH, and two ninja versions read each other's build log as invalid and rebuild
+  everything (seen: a Ray job whose PATH put the venv first rebuilt the op that `make setup` had built with the
+  system's ninja, and every other DeepSpeed init on the machine waited three minutes for the lock).
 DeepSpeed caches a loaded op per process, so its own init afterwards finds it loaded and takes no lock.
 
 `python -m draftline.train.deepspeed_ops` builds it (the Makefile's setup does).
@@ -16,10 +20,13 @@ DeepSpeed caches a loaded op per process, so its own init afterwards finds it lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from draftline.utils import file_lock, stable_hash
 
@@ -53,6 +60,24 @@ def remove_stale_torch_lock(build_dir: Path) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def installation_ninja_first() -> Iterator[None]:
+    """PATH with this interpreter's directory first while its ninja builds the op (unchanged where it has none)."""
+    own = os.path.dirname(sys.executable)
+    if not shutil.which("ninja", path=own):
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (own, before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def ensure_shm_comm_op(deadline_s: float = BUILD_DEADLINE_S):
     """Build (or load) DeepSpeed's shared-memory op for this process before `deepspeed.initialize`; returns the loaded
     module, or None where DeepSpeed does not use it (not a CPU accelerator, or an op DeepSpeed marks incompatible)."""
@@ -65,7 +90,8 @@ def ensure_shm_comm_op(deadline_s: float = BUILD_DEADLINE_S):
     os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
     with file_lock(directory / "draftline-build.lock", deadline_s, f"the build of DeepSpeed's {OP_NAME} op in {directory}"):
         remove_stale_torch_lock(directory / OP_NAME)
-        return build_shm_op()
+        with installation_ninja_first():
+            return build_shm_op()
 
 
 if __name__ == "__main__":

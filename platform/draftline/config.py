@@ -416,6 +416,10 @@ class RegenerateConfig(Strict):
     )
     max_restarts: int = Field(3, ge=0, description="times a dead replica actor is restarted; its shard is requeued")
     request_timeout_s: float = Field(600, gt=0, description="one turn's HTTP request to an OpenAI-compatible server")
+    replica_start_timeout_s: float = Field(
+        1800, gt=0, description="every replica placed by Ray and its engine loaded within this, else a clear error "
+        "naming what it asks for and what the cluster has free (a replica Ray cannot place would wait forever)",
+    )
 
 
 class BenchConfig(Strict):

@@ -101,7 +101,7 @@ SERVE_PROXY_CALLBACK = "draftline.serving.proxy_replay.middlewares"
 
 
 @contextlib.contextmanager
-def _environment_for_ray_processes(hidden: tuple[str, ...], pythonpath: str):
+def _environment_for_ray_processes(hidden: tuple[str, ...], pythonpath: str | None = None):
     """Set what Ray's processes must inherit (a pinned address, a PYTHONPATH that finds draftline) and hide what they
     must not (the serving API token, which only the driver needs: replicas get its hash). Ray's processes are forked
     during ray.init and keep that environment; the driver's own is restored afterwards.
@@ -115,7 +115,8 @@ def _environment_for_ray_processes(hidden: tuple[str, ...], pythonpath: str):
         for name in hidden:
             os.environ.pop(name, None)
         os.environ.setdefault(SERVE_PROXY_CALLBACK_ENV, SERVE_PROXY_CALLBACK)
-        os.environ["PYTHONPATH"] = pythonpath
+        if pythonpath is not None:
+            os.environ["PYTHONPATH"] = pythonpath
         yield address
 
 

@@ -374,6 +374,27 @@ class ReplicaPool:
         cfg_json = cfg.model_dump(mode="json")
         self.replicas = [actor.remote(cfg_json, str(target_dir), i) for i in range(regen.num_replicas)]
         self.max_restarts = regen.max_restarts
+        self.regen = regen
+
+    def wait_until_started(self) -> None:
+        """Every replica answers a first ping (Ray placed it, its engine loaded) within
+        regenerate.replica_start_timeout_s, or the error names what it asks for and what the cluster has free: a
+        replica Ray cannot place (its CPUs held by a Serve app, say) was otherwise waited for forever."""
+        import ray
+
+        pings = {replica.progress.remote(): i for i, replica in enumerate(self.replicas)}
+        _, waiting = ray.wait(list(pings), num_returns=len(pings), timeout=self.regen.replica_start_timeout_s)
+        if waiting:
+            free, total = ray.available_resources(), ray.cluster_resources()
+            raise RuntimeError(
+                f"regenerate replica(s) {sorted(pings[ref] for ref in waiting)} did not start within "
+                f"regenerate.replica_start_timeout_s={self.regen.replica_start_timeout_s:g} s: each asks for "
+                f"{self.regen.cpus_per_replica:g} CPU and {self.regen.gpus_per_replica:g} GPU "
+                f"(regenerate.cpus_per_replica, regenerate.gpus_per_replica); the Ray cluster has "
+                f"{free.get('CPU', 0):g} of {total.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} of "
+                f"{total.get('GPU', 0):g} GPUs free. Free what holds them (a Serve app, another job), lower those "
+                "settings or regenerate.num_replicas, or raise the timeout if the engine is that slow to load"
+            )
 
     def run(self, shards: dict[int, list[Conversation]], on_shard_done, on_progress) -> int:
         """Run every shard; on_shard_done(index, results) as each finishes. -> replica deaths seen.
@@ -491,6 +512,7 @@ def regenerate(cfg: DraftlineConfig, target_dir: Optional[Path] = None) -> Regen
         before = sum(len(shards[i]) for i in finished)
         this_run = {"conversations": 0, "output_tokens": 0}  # finished shards of this run
         try:
+            pool.wait_until_started()
             with _progress_bar() as progress:
                 task = progress.add_task("regenerate", total=len(selected), completed=before,
                                          conversations_per_s=0.0, tokens_per_s=0.0)

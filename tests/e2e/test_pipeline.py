@@ -15,8 +15,8 @@ data dir, where the job's bootstrap stage finds it by content hash, as a user's 
 from scratch. The default size (hidden 160, 400 LM steps) is what `make demo` runs, timed in benchmarks/RESULTS.md.
 
 Wall-clock speed is a benchmark (benchmarks/RESULTS.md), not a test assertion: the gate's min_speedup is relaxed to
-0.2 here (conftest.PIPELINE_TEST_MIN_SPEEDUP: a gross regression still fails) and the gate runs two paired rounds (one look) instead of up to nine, while accept
-length, losslessness and the gate's decision are asserted.
+0.2 here (conftest.PIPELINE_TEST_MIN_SPEEDUP: a gross regression still fails) and the gate runs two paired rounds (one
+look) instead of up to nine, while accept length, losslessness and the gate's decision are asserted.
 """
 
 from __future__ import annotations

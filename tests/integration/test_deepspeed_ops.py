@@ -17,13 +17,19 @@ TAKE_TORCH_LOCK = "import sys, time; from torch.utils.file_baton import FileBato
                   "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); time.sleep(600)"
 
 
+def copy_of_the_built_op(tmp_path):
+    """A cache of the test's own (for XDG_CACHE_HOME) holding a copy of this installation's op, built at `make setup`:
+    loading it needs no compiler run."""
+    assert ensure_shm_comm_op() is not None
+    cache = tmp_path / "cache"
+    shutil.copytree(extensions_dir(), cache / "torch_extensions" / extensions_dir().name)
+    return cache
+
+
 def test_a_killed_holder_of_the_build_lock_does_not_stop_the_next_init(tmp_path):
     """Without draftline's own lock and stale-lock check, the second process waits forever in torch's
     FileBaton.wait (seen: two test workers hung 10 minutes until the lock was removed by hand)."""
-    assert ensure_shm_comm_op() is not None  # this installation's op, built at `make setup`
-    cache = tmp_path / "cache"
-    # A copy of this installation's built op, in a cache of the test's own: the load below needs no compiler run.
-    shutil.copytree(extensions_dir(), cache / "torch_extensions" / extensions_dir().name)
+    cache = copy_of_the_built_op(tmp_path)
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     lock = cache / "torch_extensions" / extensions_dir().name / OP_NAME / "lock"
 
@@ -47,9 +53,7 @@ def test_a_caller_whose_path_finds_another_ninja_does_not_rebuild_the_op(tmp_pat
     interpreter) read each other's build log as invalid and rebuild the op from scratch: before the fix a Ray job whose
     PATH put the venv first rebuilt what `make setup` had built (minutes of two compilers), while every other
     DeepSpeed init waited for the lock. Loads from callers with either PATH must find the op built."""
-    assert ensure_shm_comm_op() is not None
-    cache = tmp_path / "cache"
-    shutil.copytree(extensions_dir(), cache / "torch_extensions" / extensions_dir().name)
+    cache = copy_of_the_built_op(tmp_path)
     library = cache / "torch_extensions" / extensions_dir().name / OP_NAME / f"{OP_NAME}.so"
     venv_first = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
     system_only = os.pathsep.join(["/usr/bin", "/bin"])

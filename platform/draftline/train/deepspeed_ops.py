@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from draftline.utils import file_lock, stable_hash
+from draftline.utils import environment_restored, file_lock, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +64,10 @@ def remove_stale_torch_lock(build_dir: Path) -> bool:
 def installation_ninja_first() -> Iterator[None]:
     """PATH with this interpreter's directory first while its ninja builds the op (unchanged where it has none)."""
     own = os.path.dirname(sys.executable)
-    if not shutil.which("ninja", path=own):
+    with environment_restored("PATH"):
+        if shutil.which("ninja", path=own):
+            os.environ["PATH"] = os.pathsep.join(p for p in (own, os.environ.get("PATH")) if p)
         yield
-        return
-    before = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join(p for p in (own, before) if p)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
 
 
 def ensure_shm_comm_op(deadline_s: float = BUILD_DEADLINE_S):

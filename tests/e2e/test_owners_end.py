@@ -103,7 +103,7 @@ def check_command_owner(argv: list[str], sig: signal.Signals, log: Path) -> None
         assert parent_pid(server) == owner.process.pid
         end_and_check(owner, sig, f"{argv[0]}: vLLM tree {sorted(cmdline(pid)[:40] for pid in tree)}")
     finally:
-        owner.output()
+        print(f"the owner's output:\n{owner.output()[-3000:]}")  # shown with a failure
 
 
 def check_replica_owner(argv: list[str], sig: signal.Signals, log: Path) -> None:
@@ -116,7 +116,7 @@ def check_replica_owner(argv: list[str], sig: signal.Signals, log: Path) -> None
         seconds = wait_all_gone(tree, None, GONE_S)
         end_and_check(owner, sig, f"{argv[0]}: replica {replica} SIGKILLed, its vLLM tree gone {seconds:.1f} s after")
     finally:
-        owner.output()
+        print(f"the owner's output:\n{owner.output()[-3000:]}")  # shown with a failure
 
 
 @pytest.fixture(scope="module")

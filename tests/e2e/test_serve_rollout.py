@@ -42,39 +42,33 @@ def registry(ray_cluster, tmp_path_factory, tiny_target_dir):
     return extra, old, new
 
 
-# vLLM's CPU build as the replicas' engine: one server per version, the new one started beside the old (serve.rollout
-# beside), so the load has to outlast a vLLM start-up. The interpreter is named as a cluster config names it (there a
-# replica imports draftline from Ray's copy of it, with no .venv-vllm beside it).
-BACKENDS = {
-    "reference": ([], MAX_LOAD_S),
-    "vllm": (VLLM_TEST_OVERRIDES + [f"engine.vllm.python={REPO / '.venv-vllm' / 'bin' / 'python'}"], 240.0),
-}
-
-
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_factory, backend):
-    from draftline.registry import alias_version_number, promote
+def serving_on(cfg, url: str, version: int) -> None:
+    """The running app serves `version`, as champion, whatever an earlier test left: rolled to it if needed."""
+    from draftline.registry import alias_version_number
     from draftline.release import promote_and_roll
 
-    extra, old, new = registry
-    overrides, max_load_s = BACKENDS[backend]
-    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + overrides + [f"serve.port={free_port()}"])
-    promote(cfg, old)
-    url = start_serving(cfg)
-    try:
-        with under_load(url, max_load_s, CLIENTS) as results:
-            time.sleep(5)  # old version under load first
-            roll_started = time.monotonic()
-            message = promote_and_roll(cfg, new)
-            rolled_at = time.monotonic()
-            time.sleep(5)  # new version under load
-    finally:
-        stop_serving()
+    if httpx.get(f"{url}/healthz", timeout=30).json()["served"]["model_version"] != version:
+        promote_and_roll(cfg, version)
+    assert alias_version_number(cfg) == version
+    assert httpx.get(f"{url}/healthz", timeout=30).json()["served"]["model_version"] == version
 
+
+def check_promotion_under_load(cfg, url: str, old: int, new: int, max_load_s: float, label: str) -> None:
+    """`url` serves `old`; promote_and_roll to `new` under CLIENTS clients: no request fails, both versions answer,
+    and every request started after the call returned gets `new`."""
+    from draftline.registry import alias_version_number
+    from draftline.release import promote_and_roll
+
+    with under_load(url, max_load_s, CLIENTS) as results:
+        time.sleep(5)  # old version under load first
+        roll_started = time.monotonic()
+        message = promote_and_roll(cfg, new)
+        rolled_at = time.monotonic()
+        time.sleep(5)  # new version under load
     failures, versions = outcomes(results)
     late = Counter(outcome for started, _, outcome in results if started > rolled_at)
     print(
-        f"{backend} rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
+        f"{label} rollout {old}->{new}: {len(results)} requests from {CLIENTS} clients, {len(failures)} failed, "
         f"versions {dict(versions)}, promote_and_roll took {rolled_at - roll_started:.1f} s, "
         f"requests started after the roll: {dict(late)}"
     )
@@ -83,6 +77,124 @@ def test_promotion_rolls_serving_without_failed_requests(registry, tmp_path_fact
     assert failures == []
     assert set(versions) == {old, new} and versions[old] > 0 and versions[new] > 0
     assert late and set(late) == {new}, "a request started after the promotion returned was answered by the old version"
+
+
+def _config_that_does_not_fit_its_weights(export_dir: Path) -> None:
+    config = json.loads((export_dir / "config.json").read_text())
+    config["intermediate_size"] += 32
+    (export_dir / "config.json").write_text(json.dumps(config))
+
+
+# Connects the way `draftline promote`/`rollback` do, without touching the registry; exit 3 on a ServingError.
+PROBE_CONNECT = """
+import sys
+from draftline.config import load_config
+from draftline.serving.control import ServingError, connect_to_serving
+try:
+    connect_to_serving(load_config(sys.argv[1], sys.argv[2:]))
+except ServingError as err:
+    print("SERVING-ERROR", err)
+    sys.exit(3)
+"""
+
+
+class TestOneReferenceApp:
+    """serve.rollout beside (the default), one replica of the reference engine: one Serve app for the three tests,
+    each of which first puts on it the version it starts from (`serving_on`)."""
+
+    @pytest.fixture(scope="class")
+    def app(self, registry, tmp_path_factory):
+        """-> (cfg, url, port) of the running app."""
+        from draftline.registry import promote
+
+        extra, old, _ = registry
+        port = free_port()
+        cfg = mlflow_test_config(tmp_path_factory.mktemp("reference-app"), extra + [f"serve.port={port}"])
+        promote(cfg, old)
+        url = start_serving(cfg)
+        try:
+            yield cfg, url, port
+        finally:
+            stop_serving()
+
+    def test_promotion_rolls_serving_without_failed_requests(self, registry, app):
+        _, old, new = registry
+        cfg, url, _ = app
+        serving_on(cfg, url, old)
+        check_promotion_under_load(cfg, url, old, new, MAX_LOAD_S, "reference")
+
+    def test_rollback_command_rolls_running_serving(self, registry, app):
+        """`draftline rollback` (the registry CLI) finds the running app through state.json and rolls it."""
+        from draftline.serving.control import serve_state_dir
+
+        extra, old, new = registry
+        cfg, url, port = app
+        serving_on(cfg, url, old)
+        serving_on(cfg, url, new)  # champion = new, previous = old (whatever the previous test left)
+        assert httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"] == new
+        overrides = TEST_OVERRIDES + [f"data_dir={cfg.data_dir}"] + extra + [f"serve.port={port}"]
+        command = [sys.executable, "-m", "draftline.cli", "rollback", "-c", str(REPO / "configs" / "tiny-cpu.yaml"), *overrides]
+        # Like a user's second shell: no RAY_AUTH_TOKEN; the token comes from the 0600 file state.json names.
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+        env["PYTHONPATH"] = str(REPO / "platform")
+        token_file = serve_state_dir(cfg) / "ray_auth_token"
+        if os.environ.get("RAY_AUTH_MODE") == "token":
+            assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+            # A wrong token: connecting (before anything in the registry changes) fails with a message, not silence.
+            refused = subprocess.run([sys.executable, "-c", PROBE_CONNECT, str(REPO / "configs" / "tiny-cpu.yaml"), *overrides],
+                                     capture_output=True, text=True, timeout=300, env={**env, "RAY_AUTH_TOKEN": "0" * 64})  # fmt: skip
+            assert refused.returncode == 3, refused.stdout[-3000:] + refused.stderr[-3000:]
+            assert "could not connect" in refused.stdout and "RAY_AUTH_TOKEN" in refused.stdout
+        started = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        print(f"`draftline rollback` took {time.monotonic() - started:.1f} s:\n{done.stdout}{done.stderr[-2000:]}")
+        assert done.returncode == 0
+        assert f"now serves {cfg.registered_model_name} version {old}" in done.stdout
+        answers = {httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"]
+                   for _ in range(4)}
+        assert answers == {old}
+
+    def test_failed_roll_leaves_registry_and_serving_as_they_were(self, registry, app, tiny_target_dir):
+        """Transactional promotion: a version whose files verify but whose engine cannot start (its config does not
+        fit its weights) fails on the replicas; the alias stays, every replica goes on serving the old version, 0
+        requests fail."""
+        from draftline.registry import alias_version_number
+        from draftline.release import ReleaseError, promote_and_roll
+
+        _, old, _ = registry
+        cfg, url, _ = app
+        broken = register_drafter(cfg, random_drafter(tiny_target_dir, seed=3), {GATE_TAG: "passed"},
+                                  damage=_config_that_does_not_fit_its_weights)
+        serving_on(cfg, url, old)
+        champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
+        with under_load(url) as results:
+            time.sleep(3)
+            with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {old}.*registry is unchanged"):
+                promote_and_roll(cfg, broken)
+            time.sleep(3)
+        assert (alias_version_number(cfg), alias_version_number(cfg, "previous")) == (champion, previous)
+        health = httpx.get(f"{url}/healthz", timeout=30).json()
+        assert health["served"]["model_version"] == old and health["last_error"] is None
+        failures, versions = outcomes(results)
+        print(f"failed roll to {broken}: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}")
+        assert failures == [] and set(versions) == {old}
+
+
+def test_promotion_rolls_vllm_serving_without_failed_requests(registry, tmp_path_factory):
+    """vLLM's CPU build as the replicas' engine: one server per version, the new one started beside the old
+    (serve.rollout beside), so the load has to outlast a vLLM start-up. The interpreter is named as a cluster config
+    names it (there a replica imports draftline from Ray's copy of it, with no .venv-vllm beside it)."""
+    from draftline.registry import promote
+
+    extra, old, new = registry
+    overrides = VLLM_TEST_OVERRIDES + [f"engine.vllm.python={REPO / '.venv-vllm' / 'bin' / 'python'}"]
+    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + overrides + [f"serve.port={free_port()}"])
+    promote(cfg, old)
+    url = start_serving(cfg)
+    try:
+        check_promotion_under_load(cfg, url, old, new, 240.0, "vllm")
+    finally:
+        stop_serving()
 
 
 def test_drain_and_swap_rollout_with_two_replicas_loses_no_request(registry, tmp_path_factory):
@@ -116,90 +228,6 @@ def test_drain_and_swap_rollout_with_two_replicas_loses_no_request(registry, tmp
     assert failures == []
     assert versions[old] > 0 and versions[new] > 0
     assert alias_version_number(cfg) == old
-
-
-# Connects the way `draftline promote`/`rollback` do, without touching the registry; exit 3 on a ServingError.
-PROBE_CONNECT = """
-import sys
-from draftline.config import load_config
-from draftline.serving.control import ServingError, connect_to_serving
-try:
-    connect_to_serving(load_config(sys.argv[1], sys.argv[2:]))
-except ServingError as err:
-    print("SERVING-ERROR", err)
-    sys.exit(3)
-"""
-
-
-def test_rollback_command_rolls_running_serving(registry, tmp_path_factory):
-    """`draftline rollback` (the registry CLI) finds the running app through state.json and rolls it."""
-    from draftline.registry import promote
-
-    extra, old, new = registry
-    port = free_port()
-    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={port}"])
-    promote(cfg, new)  # champion = new, previous = old (whatever the previous test left)
-    url = start_serving(cfg)
-    try:
-        assert httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"] == new
-        overrides = TEST_OVERRIDES + [f"data_dir={cfg.data_dir}"] + extra + [f"serve.port={port}"]
-        command = [sys.executable, "-m", "draftline.cli", "rollback", "-c", str(REPO / "configs" / "tiny-cpu.yaml"), *overrides]
-        # Like a user's second shell: no RAY_AUTH_TOKEN; the token comes from the 0600 file state.json names.
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-        env["PYTHONPATH"] = str(REPO / "platform")
-        token_file = Path(cfg.data_dir) / "serve" / "ray_auth_token"
-        if os.environ.get("RAY_AUTH_MODE") == "token":
-            assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
-            # A wrong token: connecting (before anything in the registry changes) fails with a message, not silence.
-            refused = subprocess.run([sys.executable, "-c", PROBE_CONNECT, str(REPO / "configs" / "tiny-cpu.yaml"), *overrides],
-                                     capture_output=True, text=True, timeout=300, env={**env, "RAY_AUTH_TOKEN": "0" * 64})  # fmt: skip
-            assert refused.returncode == 3, refused.stdout[-3000:] + refused.stderr[-3000:]
-            assert "could not connect" in refused.stdout and "RAY_AUTH_TOKEN" in refused.stdout
-        started = time.monotonic()
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-        print(f"`draftline rollback` took {time.monotonic() - started:.1f} s:\n{done.stdout}{done.stderr[-2000:]}")
-        assert done.returncode == 0
-        assert f"now serves {cfg.registered_model_name} version {old}" in done.stdout
-        answers = {httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=120).json()["draftline"]["model_version"]
-                   for _ in range(4)}
-        assert answers == {old}
-    finally:
-        stop_serving()
-
-
-def _config_that_does_not_fit_its_weights(export_dir: Path) -> None:
-    config = json.loads((export_dir / "config.json").read_text())
-    config["intermediate_size"] += 32
-    (export_dir / "config.json").write_text(json.dumps(config))
-
-
-def test_failed_roll_leaves_registry_and_serving_as_they_were(registry, tiny_target_dir, tmp_path_factory):
-    """Transactional promotion: a version whose files verify but whose engine cannot start (its config does not fit
-    its weights) fails on the replicas; the alias stays, every replica goes on serving the old version, 0 requests fail."""
-    from draftline.registry import alias_version_number, promote
-    from draftline.release import ReleaseError, promote_and_roll
-
-    extra, old, new = registry
-    cfg = mlflow_test_config(tmp_path_factory.mktemp("unused"), extra + [f"serve.port={free_port()}"])
-    broken = register_drafter(cfg, random_drafter(tiny_target_dir, seed=3), {GATE_TAG: "passed"},
-                              damage=_config_that_does_not_fit_its_weights)
-    promote(cfg, old)
-    champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
-    url = start_serving(cfg)
-    try:
-        with under_load(url) as results:
-            time.sleep(3)
-            with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {old}.*registry is unchanged"):
-                promote_and_roll(cfg, broken)
-            time.sleep(3)
-        assert (alias_version_number(cfg), alias_version_number(cfg, "previous")) == (champion, previous)
-        health = httpx.get(f"{url}/healthz", timeout=30).json()
-        assert health["served"]["model_version"] == old and health["last_error"] is None
-    finally:
-        stop_serving()
-    failures, versions = outcomes(results)
-    print(f"failed roll to {broken}: {len(results)} requests, {len(failures)} failed, versions {dict(versions)}")
-    assert failures == [] and set(versions) == {old}
 
 
 def test_blue_green_rollout_switches_sets_and_a_failed_set_changes_nothing(registry, tiny_target_dir, tmp_path_factory):

@@ -77,7 +77,7 @@ def test_a_server_and_all_it_started_go_with_their_owner(tmp_path, sig):
         seconds = wait_all_gone(recorded, owner.mark, timeout_s=30)
         print(f"{sig.name}: the {len(recorded)} processes gone {seconds:.1f} s after the owner")
     finally:
-        owner.output()
+        print(f"the owner's output:\n{owner.output()[-3000:]}")  # shown with a failure
 
 
 def test_a_stopped_server_leaves_nothing_while_its_owner_runs_on(tmp_path):
@@ -91,4 +91,4 @@ def test_a_stopped_server_leaves_nothing_while_its_owner_runs_on(tmp_path):
         wait_all_gone(server, None, timeout_s=10)
         assert owner.process.poll() is None
     finally:
-        owner.output()
+        print(f"the owner's output:\n{owner.output()[-3000:]}")  # shown with a failure

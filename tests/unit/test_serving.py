@@ -332,3 +332,17 @@ def test_the_api_token_or_only_its_sha256_enables_auth(monkeypatch):
         auth_token_sha256_from_env(cfg)
     commented = (REPO / "serve" / "serve_config.yaml").read_text()
     assert "DRAFTLINE_API_TOKEN_SHA256" in commented and "DRAFTLINE_API_TOKEN:" not in commented
+
+
+def test_two_apps_served_from_one_data_dir_keep_their_own_record(tiny_cfg):
+    """The record `draftline promote`/`rollback` find an app by (its Ray address, its token file) is per serve.port.
+    One record per data dir let a second app (another config, or another test process on the same data dir)
+    overwrite the first's: `rollback` with the first config then connected to the second's cluster and rolled it."""
+    from draftline.serving.control import serve_state_dir, state_path
+
+    first = tiny_cfg.model_copy(update={"serve": tiny_cfg.serve.model_copy(update={"port": 8001})})
+    second = tiny_cfg.model_copy(update={"serve": tiny_cfg.serve.model_copy(update={"port": 8002})})
+    assert first.data_dir == second.data_dir
+    assert state_path(first) != state_path(second)
+    assert serve_state_dir(first) != serve_state_dir(second)
+    assert state_path(first).parent == serve_state_dir(first) and str(first.serve.port) in serve_state_dir(first).name

@@ -3,7 +3,7 @@
 - `serve_champion(cfg)`: start Serve on serve.host/port and deploy the app *declaratively* (the path of
   `serve deploy`): import path `draftline.serving.app:app_builder`, args = the resolved config (credentials
   redacted), the served version and the API token's sha256, and the
-  engine deployment's `user_config` = the champion. Writes `<data_dir>/serve/state.json` so other processes
+  engine deployment's `user_config` = the champion. Writes `<data_dir>/serve/port-<serve.port>/state.json` so other processes
   (`draftline promote`, `draftline serve --roll`) can find the cluster.
 - `serving_now(cfg)`: the version a running app serves (None when nothing serves for this data dir).
 - `roll_to(cfg, served)`: re-apply the deployed app config with only the engine's user_config changed. Serve sees
@@ -46,8 +46,15 @@ class ServingError(RuntimeError):
     """Serve is not running where expected, or a rollout did not converge; phrased for the user."""
 
 
+def serve_state_dir(cfg: DraftlineConfig) -> Path:
+    """Where the app serving on cfg.serve.port records itself: one directory per port, so that two apps from one
+    data dir (two configs, or two test processes) do not overwrite each other's record, and `draftline promote`
+    with a config reaches the app on that config's port."""
+    return cfg.data_path("serve", f"port-{cfg.serve.port}")
+
+
 def state_path(cfg: DraftlineConfig) -> Path:
-    return cfg.data_path("serve", "state.json")
+    return serve_state_dir(cfg) / "state.json"
 
 
 def base_url(cfg: DraftlineConfig) -> str:
@@ -200,7 +207,7 @@ def _write_state(cfg: DraftlineConfig, ray_mode: str) -> None:
 
     # The token of a local cluster lives only in this process's environment; other local processes of the user
     # (`draftline promote` in another shell) read it from a 0600 file. A real cluster's token is the user's own.
-    token_path = write_local_token(cfg.data_path("serve", "ray_auth_token")) if ray_mode == "local" else None
+    token_path = write_local_token(serve_state_dir(cfg) / "ray_auth_token") if ray_mode == "local" else None
     atomic_write_json(
         state_path(cfg),
         {

@@ -186,15 +186,6 @@ LOAD_ANSWERS_BEFORE_KILL = 2 * LOAD_CLIENTS
 LOAD_AFTER_DEAD_S = 5.0
 
 
-def _wait_for_answers(results: list, count: int, timeout_s: float = 120) -> None:
-    """Poll until under_load's `results` hold `count` answered requests (not a fixed sleep: at load ~19 the first
-    requests took over 5 s)."""
-    deadline = time.monotonic() + timeout_s
-    while sum(not isinstance(r[2], Exception) for r in list(results)) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} requests answered in {timeout_s:.0f} s: {results[:5]}"
-        time.sleep(0.2)
-
-
 def _serve_replicas() -> dict[str, list[str]]:
     """Serve's running replicas per deployment: deployment name -> node ids."""
     from draftline.serving.control import _deployed_app
@@ -215,7 +206,7 @@ def test_serving_with_two_replicas_survives_losing_the_node_of_one(multinode, ti
     from draftline.serving.engine_server import ENGINE_DEPLOYMENT
     from draftline.tracking import GATE_TAG
     from registry_helpers import mlflow_test_config, random_drafter, register_drafter
-    from serve_helpers import start_serving, under_load
+    from serve_helpers import start_serving, under_load, wait_for_answers
 
     cluster, _ = multinode
     cfg = mlflow_test_config(tmp_path, [f"serve.port={free_port()}", "serve.num_replicas=2", "serve.cpus_per_replica=1",
@@ -231,7 +222,7 @@ def test_serving_with_two_replicas_survives_losing_the_node_of_one(multinode, ti
         # A worker node with an engine replica, one without an ingress replica if there is one.
         victim = min((name for name in engine_nodes if name != HEAD), key=lambda name: (name in ingress_nodes, name))
         with under_load(url, max_s=300, clients=LOAD_CLIENTS) as results:
-            _wait_for_answers(results, LOAD_ANSWERS_BEFORE_KILL)
+            wait_for_answers(results, LOAD_ANSWERS_BEFORE_KILL)
             kill = cluster.kill_node(victim)
             cluster.wait_until_dead()
             dead_after_s = time.monotonic() - kill.killed_at_monotonic

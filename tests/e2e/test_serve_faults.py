@@ -13,8 +13,10 @@ import time
 
 from conftest import free_port
 from registry_helpers import mlflow_test_config
-from serve_helpers import outcomes, start_serving, stop_serving, under_load
+from serve_helpers import outcomes, start_serving, stop_serving, under_load, wait_for_answers
 
+
+CLIENTS = 4
 
 
 def _wait_for_replacement(listing, victim: dict, wanted: int, timeout_s: float = 600) -> float:
@@ -66,12 +68,12 @@ def test_sigkill_of_an_engine_replica_then_an_ingress_replica_under_load_fails_n
                                         "serve.ingress_replicas=2", "serve.cpus_per_replica=0.5"])
     url = start_serving(cfg)
     try:
-        with under_load(url, max_s=900) as results:
-            time.sleep(4)
+        with under_load(url, max_s=900, clients=CLIENTS) as results:
+            wait_for_answers(results, 2 * CLIENTS)
             engine_killed_at, engine_replaced_s = _kill_one(engine_replicas, num_replicas)
-            time.sleep(3)
+            wait_for_answers(results, CLIENTS, after=engine_killed_at + engine_replaced_s)
             ingress_killed_at, ingress_replaced_s = _kill_one(ingress_replicas, cfg.serve.ingress_replicas)
-            time.sleep(3)
+            wait_for_answers(results, CLIENTS, after=ingress_killed_at + ingress_replaced_s)
     finally:
         stop_serving()
     failures, versions = outcomes(results)

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, TEST_OVERRIDES, VLLM_TEST_OVERRIDES, free_port
 from draftline.tracking import GATE_TAG
 from registry_helpers import mlflow_test_config, random_drafter, register_drafter
-from serve_helpers import CHAT_BODY as BODY, outcomes, start_serving, stop_serving, under_load
+from serve_helpers import CHAT_BODY as BODY, outcomes, start_serving, stop_serving, under_load, wait_for_answers
 
 
 CLIENTS = 4
@@ -60,11 +60,11 @@ def check_promotion_under_load(cfg, url: str, old: int, new: int, max_load_s: fl
     from draftline.release import promote_and_roll
 
     with under_load(url, max_load_s, CLIENTS) as results:
-        time.sleep(5)  # old version under load first
+        wait_for_answers(results, CLIENTS)  # old version under load first
         roll_started = time.monotonic()
         message = promote_and_roll(cfg, new)
         rolled_at = time.monotonic()
-        time.sleep(5)  # new version under load
+        wait_for_answers(results, CLIENTS, after=rolled_at)  # new version under load
     failures, versions = outcomes(results)
     late = Counter(outcome for started, _, outcome in results if started > rolled_at)
     print(
@@ -168,10 +168,10 @@ class TestOneReferenceApp:
         serving_on(cfg, url, old)
         champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
         with under_load(url) as results:
-            time.sleep(3)
+            wait_for_answers(results, CLIENTS)
             with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {old}.*registry is unchanged"):
                 promote_and_roll(cfg, broken)
-            time.sleep(3)
+            wait_for_answers(results, CLIENTS, after=time.monotonic())
         assert (alias_version_number(cfg), alias_version_number(cfg, "previous")) == (champion, previous)
         health = httpx.get(f"{url}/healthz", timeout=30).json()
         assert health["served"]["model_version"] == old and health["last_error"] is None
@@ -210,15 +210,15 @@ def test_drain_and_swap_rollout_with_two_replicas_loses_no_request(registry, tmp
     url = start_serving(cfg)
     try:
         with under_load(url) as results:
-            time.sleep(3)
+            wait_for_answers(results, CLIENTS)
             started = time.monotonic()
             promote_and_roll(cfg, new)
             promoted_s = time.monotonic() - started
-            time.sleep(2)
+            wait_for_answers(results, CLIENTS, after=started + promoted_s)
             started = time.monotonic()
             rollback_and_roll(cfg)
             rolled_back_s = time.monotonic() - started
-            time.sleep(2)
+            wait_for_answers(results, CLIENTS, after=started + rolled_back_s)
     finally:
         stop_serving()
     failures, versions = outcomes(results)
@@ -251,22 +251,22 @@ def test_blue_green_rollout_switches_sets_and_a_failed_set_changes_nothing(regis
         blue = {r["replica_id"] for r in engine_replicas()}
         assert active_engine_app() == ENGINE_APPS[0] and len(blue) == 2
         with under_load(url, max_s=1200) as results:
-            time.sleep(3)
+            wait_for_answers(results, CLIENTS)
             started = time.monotonic()
             promote_and_roll(cfg, new)
             rolled_at = time.monotonic()
-            time.sleep(3)
+            wait_for_answers(results, CLIENTS, after=rolled_at)
         assert active_engine_app() == ENGINE_APPS[1] and not engine_replicas(ENGINE_APPS[0])
         green = {r["replica_id"] for r in engine_replicas()}
         assert len(green) == 2 and not green & blue
         champion, previous = alias_version_number(cfg), alias_version_number(cfg, "previous")
         with under_load(url, max_s=1200) as failed_roll_results:
-            time.sleep(2)
+            wait_for_answers(failed_roll_results, CLIENTS)
             failing_started = time.monotonic()
             with pytest.raises(ReleaseError, match=rf"did not roll to .*version {broken}.*back on version {new}.*registry is unchanged"):
                 promote_and_roll(cfg, broken)
             failing_s = time.monotonic() - failing_started
-            time.sleep(2)
+            wait_for_answers(failed_roll_results, CLIENTS, after=failing_started + failing_s)
         assert (alias_version_number(cfg), alias_version_number(cfg, "previous")) == (champion, previous) == (new, old)
         assert active_engine_app() == ENGINE_APPS[1] and {r["replica_id"] for r in engine_replicas()} == green
         assert not engine_replicas(ENGINE_APPS[0])  # the failed set was deleted

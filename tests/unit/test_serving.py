@@ -346,3 +346,25 @@ def test_two_apps_served_from_one_data_dir_keep_their_own_record(tiny_cfg):
     assert state_path(first) != state_path(second)
     assert serve_state_dir(first) != serve_state_dir(second)
     assert state_path(first).parent == serve_state_dir(first) and str(first.serve.port) in serve_state_dir(first).name
+
+
+def test_an_app_recorded_before_per_port_records_is_found_on_its_own_port(tiny_cfg, tmp_path):
+    """An app started by an older draftline recorded itself in `<data_dir>/serve/state.json`. `promote`/`rollback`
+    (connect_to_serving) take that record for the config whose serve.port its base_url names, and for no other
+    port; the per-port record wins when both exist."""
+    import json
+
+    from draftline.serving.control import serving_record, state_path
+
+    cfg = tiny_cfg.model_copy(update={"data_dir": str(tmp_path), "serve": tiny_cfg.serve.model_copy(update={"port": 8011})})
+    other = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"port": 8012})})
+    legacy = cfg.data_path("serve", "state.json")
+    legacy.parent.mkdir(parents=True, exist_ok=True)
+    legacy.write_text(json.dumps({"base_url": "http://127.0.0.1:8011", "ray_address": "127.0.0.1:1", "pid": 1}))
+    assert serving_record(cfg) == (legacy, json.loads(legacy.read_text()))
+    assert serving_record(other) is None
+
+    own = state_path(cfg)
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_text(json.dumps({"base_url": "http://127.0.0.1:8011", "ray_address": "127.0.0.1:2", "pid": 2}))
+    assert serving_record(cfg)[0] == own and serving_record(cfg)[1]["ray_address"] == "127.0.0.1:2"

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,6 +56,22 @@ def serve_state_dir(cfg: DraftlineConfig) -> Path:
 
 def state_path(cfg: DraftlineConfig) -> Path:
     return serve_state_dir(cfg) / "state.json"
+
+
+def serving_record(cfg: DraftlineConfig) -> Optional[tuple[Path, dict]]:
+    """(path, contents) of the record of the app serving on cfg.serve.port, None when there is none. An app started
+    by a draftline older than the per-port records wrote one record per data dir (`<data_dir>/serve/state.json`);
+    it is that app's record when its base_url is on this port, so that `promote`/`rollback` after an upgrade still
+    roll an app that was serving before it."""
+    path = state_path(cfg)
+    if path.exists():
+        return path, json.loads(path.read_text())
+    legacy = cfg.data_path("serve", "state.json")
+    if legacy.exists():
+        state = json.loads(legacy.read_text())
+        if urllib.parse.urlsplit(state.get("base_url", "")).port == cfg.serve.port:
+            return legacy, state
+    return None
 
 
 def base_url(cfg: DraftlineConfig) -> str:
@@ -371,10 +388,10 @@ def connect_to_serving(cfg: DraftlineConfig) -> bool:
     if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
         ensure_ray(cfg)
         return True
-    path = state_path(cfg)
-    if not path.exists():
+    record = serving_record(cfg)
+    if record is None:
         return False
-    state = json.loads(path.read_text())
+    path, state = record
     if state.get("local_cluster") and not _process_alive(state["pid"]):
         return False  # the local Ray of a `draftline serve` that has exited
 

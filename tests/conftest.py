@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,48 @@ def ray_cluster():
     start_session_ray()
     yield ray
     ray.shutdown()
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of `root` and every live process below it (its Ray cluster, servers, subprocesses), with the
+    children each of them has reaped."""
+    parents: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        parents.setdefault(int(fields[1]), []).append(int(entry.name))
+        ticks[int(entry.name)] = sum(int(field) for field in fields[11:15])  # utime stime cutime cstime
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo += parents.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With DRAFTLINE_TEST_CPU_LOG set: one JSON line per test there, with the CPU seconds its test process's tree
+    spent on it (set-up and teardown of the fixtures it was first or last to use included) and its wall seconds.
+    The suite is CPU-bound on 2 cores: this, not the wall time of a test beside another, says what a test costs.
+    A process that left the tree (reparented to init) takes its CPU with it: the figures are lower bounds."""
+    log = os.environ.get("DRAFTLINE_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    cpu_before, started = tree_cpu_s(os.getpid()), time.monotonic()
+    yield
+    record = {"test": item.nodeid, "cpu_s": round(tree_cpu_s(os.getpid()) - cpu_before, 2),
+              "wall_s": round(time.monotonic() - started, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+    with open(log, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -42,3 +42,32 @@ def test_default_aux_layers_match_sglang():
     # SGLang captures the inputs of layers [2, n//2, n-3] = outputs of [1, n//2-1, n-4].
     assert default_aux_layer_ids(32) == [1, 15, 28]
     assert default_aux_layer_ids(8) == [1, 3, 4]
+
+
+def test_the_corpus_hash_is_parsed_once_then_read_until_its_sources_change(tmp_path, monkeypatch):
+    """Finding the embedded target needs the hash of its corpus. Each process that looked it up (every Serve replica,
+    Ray worker and command) parsed the standard library for it, 2-5 CPU s; it is now kept on disk under a
+    fingerprint of the sources, and parsed again only when that fingerprint changes or the kept file is damaged."""
+    import draftline.target.corpus as corpus
+
+    max_bytes = 20_000  # a few files of the standard library
+    expected = corpus.corpus_hash(corpus.stdlib_doc_pairs(max_bytes))
+    parsed: list[int] = []
+    real_pairs = corpus.stdlib_doc_pairs.__wrapped__
+
+    def counting_pairs(n: int):
+        parsed.append(n)
+        return real_pairs(n)
+
+    monkeypatch.setattr(corpus, "stdlib_doc_pairs", counting_pairs)
+    assert corpus.stdlib_corpus_hash(max_bytes, tmp_path) == expected and parsed == [max_bytes]
+    assert corpus.stdlib_corpus_hash(max_bytes, tmp_path) == expected and parsed == [max_bytes]  # read, not parsed
+
+    (kept,) = tmp_path.glob("stdlib-*.json")
+    kept.write_text("{not json")
+    assert corpus.stdlib_corpus_hash(max_bytes, tmp_path) == expected and len(parsed) == 2
+
+    stdlib, sources = corpus._stdlib_sources()
+    monkeypatch.setattr(corpus, "_stdlib_sources", lambda: (stdlib, sources[1:]))  # a file less: a new fingerprint
+    corpus.stdlib_corpus_hash(max_bytes, tmp_path)
+    assert len(parsed) == 3 and len(list(tmp_path.glob("stdlib-*.json"))) == 2

@@ -27,7 +27,7 @@ import torch
 from draftline.config import ConfigError, DraftlineConfig, cpu_head_dim_problem
 from draftline.records import StageRecord
 from draftline.target.chat_layouts import ChatLayout, chat_layout
-from draftline.target.corpus import DocPair, corpus_hash, stdlib_doc_pairs
+from draftline.target.corpus import DocPair, corpus_hash, stdlib_corpus_hash, stdlib_doc_pairs
 from draftline.target.families import build_model_config, served_head_dims
 from draftline.target.reasoning import DEFAULT_REASONING_TAGS, split_reasoning
 from draftline.target.gguf_import import import_gguf_target
@@ -173,8 +173,9 @@ def _generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int,
     return replies
 
 
-def target_cache_key(cfg: DraftlineConfig, pairs: list[DocPair]) -> str:
-    return stable_hash(cfg.target.embedded.model_dump(mode="json"), cfg.seed, corpus_hash(pairs))[:16]
+def target_cache_key(cfg: DraftlineConfig, corpus: str) -> str:
+    """The cache key of the embedded target: its config, the seed and the hash of its corpus (`corpus_hash`)."""
+    return stable_hash(cfg.target.embedded.model_dump(mode="json"), cfg.seed, corpus)[:16]
 
 
 def bootstrap_target(cfg: DraftlineConfig) -> Path:
@@ -186,13 +187,13 @@ def bootstrap_target(cfg: DraftlineConfig) -> Path:
         raise ValueError(f"bootstrap-target builds the embedded target or imports a GGUF one; target.kind is "
                          f"{cfg.target.kind!r}, whose directory target.path is used as it is")
     emb = cfg.target.embedded
-    pairs = stdlib_doc_pairs(emb.corpus_max_bytes)
-    out_dir = cfg.data_path("targets", f"{cfg.target.name}-{target_cache_key(cfg, pairs)}")
+    corpus = stdlib_corpus_hash(emb.corpus_max_bytes, cfg.data_path("corpus"))
+    out_dir = cfg.data_path("targets", f"{cfg.target.name}-{target_cache_key(cfg, corpus)}")
     with build_lock(out_dir):
         if (out_dir / DONE_MARKER).exists():
             _log(f"cached: {out_dir}")
             return out_dir
-        return _build_target(cfg, pairs, out_dir)
+        return _build_target(cfg, stdlib_doc_pairs(emb.corpus_max_bytes), out_dir)
 
 
 def _build_target(cfg: DraftlineConfig, pairs: list, out_dir: Path) -> Path:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -60,45 +61,53 @@ def ray_cluster():
     ray.shutdown()
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds of `root` and every live process below it (its Ray cluster, servers, subprocesses), with the
-    children each of them has reaped."""
-    parents: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as handle:
-                stat = handle.read()
-        except OSError:
-            continue  # gone meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()
-        parents.setdefault(int(fields[1]), []).append(int(entry.name))
-        ticks[int(entry.name)] = sum(int(field) for field in fields[11:15])  # utime stime cutime cstime
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += ticks.get(pid, 0)
-        todo += parents.get(pid, [])
-    return total / os.sysconf("SC_CLK_TCK")
+CPUACCT_ROOT = Path("/sys/fs/cgroup/cpuacct")  # cgroup v1's CPU accounting, where this machine mounts it
+
+
+def cpu_meter() -> Callable[[], float]:
+    """-> a function giving the CPU seconds spent so far by this test process and everything it started since.
+
+    A cpuacct cgroup of the process's own: its Ray cluster, servers and subprocesses join it as they start, and their
+    CPU stays counted after they exit (the raylet ignores SIGCHLD, so a process tree's own counters lose every
+    Ray worker that has ended). Needs cgroup v1's cpuacct and the right to create a group in it (root)."""
+    group = CPUACCT_ROOT / f"draftline-test-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as err:
+        raise pytest.UsageError(f"DRAFTLINE_TEST_CPU_LOG needs a cpuacct cgroup of the test process's own, and "
+                                f"{group} could not be made or joined ({err}); run as root where cgroup v1's "
+                                f"cpuacct is mounted at {CPUACCT_ROOT}, or unset it") from None
+    usage = group / "cpuacct.usage"
+    return lambda: int(usage.read_text()) / 1e9
+
+
+_test_cpu: list[Callable[[], float]] = []
+
+
+def pytest_configure(config):
+    """With DRAFTLINE_TEST_CPU_LOG set, each process that runs tests gets its CPU meter (not xdist's controller)."""
+    controller = config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) and not hasattr(
+        config, "workerinput")
+    if os.environ.get("DRAFTLINE_TEST_CPU_LOG") and not controller:
+        _test_cpu.append(cpu_meter())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With DRAFTLINE_TEST_CPU_LOG set: one JSON line per test there, with the CPU seconds its test process's tree
-    spent on it (set-up and teardown of the fixtures it was first or last to use included) and its wall seconds.
-    The suite is CPU-bound on 2 cores: this, not the wall time of a test beside another, says what a test costs.
-    A process that left the tree (reparented to init) takes its CPU with it: the figures are lower bounds."""
-    log = os.environ.get("DRAFTLINE_TEST_CPU_LOG")
-    if not log:
+    """With DRAFTLINE_TEST_CPU_LOG set: one JSON line per test there, with the CPU seconds its test process and all
+    it started spent on it (set-up and teardown of the fixtures it was first or last to use included) and its wall
+    seconds. The suite is CPU-bound on 2 cores: this, not the wall time of a test beside another, says what a test
+    costs. The group is left behind when the run ends (the Ray processes of a session cluster may outlive pytest's
+    last hook); `rmdir` removes it once empty."""
+    if not _test_cpu:
         yield
         return
-    cpu_before, started = tree_cpu_s(os.getpid()), time.monotonic()
+    cpu_before, started = _test_cpu[0](), time.monotonic()
     yield
-    record = {"test": item.nodeid, "cpu_s": round(tree_cpu_s(os.getpid()) - cpu_before, 2),
+    record = {"test": item.nodeid, "cpu_s": round(_test_cpu[0]() - cpu_before, 2),
               "wall_s": round(time.monotonic() - started, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
-    with open(log, "a") as handle:
+    with open(os.environ["DRAFTLINE_TEST_CPU_LOG"], "a") as handle:
         handle.write(json.dumps(record) + "\n")
 
 

@@ -88,10 +88,10 @@ def under_load(url: str, max_s: float = 40.0, clients: int = 4, body: Optional[d
     assert not load.is_alive()
 
 
-def wait_for_answers(results: list, count: int, after: float = float("-inf"), timeout_s: float = 300) -> float:
-    """Poll until under_load's `results` hold `count` answered requests that started after `after` (time.monotonic);
-    returns the time it was so. Not a fixed sleep: at load 10-20 the first requests of a fresh app took over 5 s, and
-    a test that slept 4 s saw none (CI, 2026-12-08)."""
+def wait_for_answers(results: list, count: int, after: float = float("-inf"), timeout_s: float = 300) -> None:
+    """Poll until under_load's `results` hold `count` answered requests that started after `after` (time.monotonic).
+    Not a fixed sleep: at load 10-20 the first requests of a fresh app took over 5 s, and a test that slept 4 s saw
+    none (CI, 2026-12-08)."""
     deadline = time.monotonic() + timeout_s
     while sum(start > after and not isinstance(outcome, Exception) for start, _, outcome in list(results)) < count:
         if time.monotonic() > deadline:
@@ -99,7 +99,6 @@ def wait_for_answers(results: list, count: int, after: float = float("-inf"), ti
             raise AssertionError(f"fewer than {count} requests answered within {timeout_s:.0f} s "
                                  f"({len(results)} ended, {len(failures)} failed: {[str(f)[:120] for f in failures[:3]]})")
         time.sleep(0.2)
-    return time.monotonic()
 
 
 def outcomes(results: list) -> tuple[list, Counter]:

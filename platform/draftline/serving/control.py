@@ -20,7 +20,6 @@ The registry never calls this module: draftline.release rolls serving first and 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -35,7 +34,7 @@ from draftline.serving.engine_server import ENGINE_DEPLOYMENT
 from draftline.serving.openai_api import INGRESS_DEPLOYMENT
 from draftline.serving.served_model import ServedModel, resolve_served_model
 from draftline.serving.traffic_capture import CAPTURE_DEPLOYMENT
-from draftline.utils import atomic_write_json
+from draftline.utils import atomic_write_json, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +64,10 @@ def serving_record(cfg: DraftlineConfig) -> Optional[tuple[Path, dict]]:
     roll an app that was serving before it."""
     path = state_path(cfg)
     if path.exists():
-        return path, json.loads(path.read_text())
+        return path, read_json(path)
     legacy = cfg.data_path("serve", "state.json")
     if legacy.exists():
-        state = json.loads(legacy.read_text())
+        state = read_json(legacy)
         if urllib.parse.urlsplit(state.get("base_url", "")).port == cfg.serve.port:
             return legacy, state
     return None
